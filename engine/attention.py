@@ -1,0 +1,76 @@
+"""One attention interface over the paged KV cache, with a torch and a Triton backend.
+
+The batch is flattened to tokens, decode requests (one new token) first, then prefill
+requests (a prompt, a chunk of it, or a recompute). The backend writes the new K/V into the
+cache, then reads the cache for attention, so both paths see the same data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from kernels import reference
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, block * block_size + offset
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32, context length including the new token
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32
+    prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32
+
+
+class AttentionBackend:
+    """Paged attention; subclasses choose the kernels. Same interface, same cache layout
+    `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+
+    name = "base"
+
+    def __init__(self, store_kv, decode, prefill) -> None:
+        self._store_kv = store_kv
+        self._decode = decode
+        self._prefill = prefill
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]"""
+        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            return self._decode(q, k_cache, v_cache, meta.decode_block_tables,
+                                meta.decode_seq_lens, scale)
+        if nd == 0:
+            return self._prefill(q, k_cache, v_cache, meta.prefill_block_tables,
+                                 meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale)
+        out = torch.empty_like(q)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                meta.decode_seq_lens, scale)
+        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+                                 meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale)
+        return out
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+
+    def __init__(self) -> None:
+        super().__init__(reference.store_kv_cache, reference.paged_decode_attention,
+                         reference.paged_prefill_attention)
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        super().__init__(kernels.store_kv_cache, kernels.paged_decode_attention,
+                         kernels.paged_prefill_attention)
+
+
+def make_attention_backend(use_triton: bool) -> AttentionBackend:
+    return TritonAttention() if use_triton else TorchAttention()

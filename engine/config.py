@@ -1,0 +1,79 @@
+"""Engine configuration: frozen dataclasses, validated once at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache size: give `num_blocks`, or `cache_bytes` (all layers, K and V)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    cache_bytes: int | None = 256 * 1024 * 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64):
+            raise ValueError(f"block_size must be 8, 16, 32 or 64, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.num_blocks is None and (self.cache_bytes is None or self.cache_bytes <= 0):
+            raise ValueError("cache_bytes must be > 0 when num_blocks is not given")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # local HF folder; None means the embedded SmolLM2
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention_backend: str = "auto"  # auto | torch | triton
+    sampler_backend: str = "auto"  # auto | torch | triton
+    load_format: str = "safetensors"  # safetensors | dummy
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        for name in ("attention_backend", "sampler_backend"):
+            value = getattr(self, name)
+            if value not in ("auto", "torch", "triton"):
+                raise ValueError(f"{name} must be auto, torch or triton, got {value!r}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    def use_triton(self, which: str) -> bool:
+        """Triton on CUDA, torch on the CPU, unless forced."""
+        choice = getattr(self, f"{which}_backend")
+        if choice == "auto":
+            return torch.device(self.device).type == "cuda"
+        return choice == "triton"

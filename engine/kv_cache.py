@@ -1,0 +1,160 @@
+"""Paged KV-cache block manager: O(1) allocate and free, ref counts, prefix caching.
+
+Blocks live in a free queue ordered least-recently-freed first. A freed block keeps its
+prefix-cache entry until it is handed out again, so a later request with the same prefix can
+take it back (a hit); allocation always takes from the head of the queue, which evicts the
+least recently used cached block.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .request import Request
+
+
+class CacheFullError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class BlockKey:
+    """What a full block holds: its parent's hash and its own tokens (confirms a hash hit)."""
+
+    parent_hash: int | None
+    tokens: tuple[int, ...]
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._ref_counts = [0] * num_blocks
+        self._block_key: list[BlockKey | None] = [None] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks owned by live requests (free cached blocks are not counted)."""
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Leading blocks of the request's tokens already in the cache. The last token is
+        never served from the cache: its logits are needed."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            key = BlockKey(parent, tuple(request.token_ids[i * self.block_size:
+                                                          (i + 1) * self.block_size]))
+            block_hash = hash(key)
+            block = self._cached.get(block_hash)
+            if block is None or self._block_key[block] != key:
+                break
+            hits.append(block)
+            parent = block_hash
+        self.stats.queried_tokens += request.num_tokens
+        self.stats.hit_tokens += len(hits) * self.block_size
+        return hits
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly computed full blocks under their chained hashes."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        for i in range(request.num_cached_blocks, num_full):
+            parent = request.block_hashes[i - 1] if i else None
+            key = BlockKey(parent, tuple(request.token_ids[i * self.block_size:
+                                                          (i + 1) * self.block_size]))
+            block_hash = hash(key)
+            block = request.block_ids[i]
+            request.block_hashes.append(block_hash)
+            if self._block_hash[block] is None and block_hash not in self._cached:
+                self._block_hash[block] = block_hash
+                self._block_key[block] = key
+                self._cached[block_hash] = block
+        request.num_cached_blocks = num_full
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate(self, request: Request, num_new_tokens: int,
+                 cached_blocks: list[int] | None = None) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens (after taking the cached
+        prefix blocks, if any). All or nothing: False changes no state."""
+        cached_blocks = cached_blocks or []
+        have = len(request.block_ids) + len(cached_blocks)
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - have
+        reusable_free = sum(1 for b in cached_blocks if self._ref_counts[b] == 0)
+        if need > len(self._free) - reusable_free:
+            return False
+        for block in cached_blocks:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+        request.block_ids.extend(cached_blocks)
+        if cached_blocks:
+            request.block_hashes.extend(self._block_hash[b] for b in cached_blocks)
+            request.num_cached_blocks = len(request.block_hashes)
+        for _ in range(need):
+            request.block_ids.append(self._take_free_block())
+        return True
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks. Tail blocks go to the queue first so that they are
+        evicted before the shared prefix blocks."""
+        for block in reversed(request.block_ids):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+            elif self._ref_counts[block] < 0:
+                raise RuntimeError(f"block {block} freed twice")
+        request.block_ids = []
+        request.block_hashes = []
+        request.num_cached_blocks = 0
+
+    def _take_free_block(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        old_hash = self._block_hash[block]
+        if old_hash is not None:  # evict its prefix-cache entry
+            del self._cached[old_hash]
+            self._block_hash[block] = None
+            self._block_key[block] = None
+        self._ref_counts[block] = 1
+        return block
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block in list(self._cached.items()):
+            if self._ref_counts[block] == 0:
+                del self._cached[block_hash]
+                self._block_hash[block] = None
+                self._block_key[block] = None

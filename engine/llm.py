@@ -1,0 +1,69 @@
+"""Offline API: LLM(model=...).generate(prompts, params) -> one RequestOutput per prompt."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput, TokenOutput
+from .sampling_params import SamplingParams
+
+_CACHE_KEYS = {"block_size", "num_blocks", "cache_bytes", "enable_prefix_caching"}
+_SCHEDULER_KEYS = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
+
+
+def build_config(model: str | None = None, **options) -> EngineConfig:
+    """Flat keyword options (as on the command line) -> EngineConfig."""
+    cache = {k: options.pop(k) for k in list(options) if k in _CACHE_KEYS}
+    sched = {k: options.pop(k) for k in list(options) if k in _SCHEDULER_KEYS}
+    if "num_blocks" in cache and cache["num_blocks"] is not None:
+        cache.setdefault("cache_bytes", None)
+    return EngineConfig(model=model, cache=CacheConfig(**cache),
+                        scheduler=SchedulerConfig(**sched), **options)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32",
+                 **options) -> None:
+        self.engine = LLMEngine(build_config(model, device=device, dtype=dtype, **options))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params must be one SamplingParams or one per prompt "
+                             f"({len(prompts)}), got {len(params)}")
+        engine = self.engine
+        ids = [engine.add_request(p if isinstance(p, str) else list(p), sp)
+               for p, sp in zip(prompts, params)]
+        tokens: dict[str, list[TokenOutput]] = {i: [] for i in ids}
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            for step in engine.step():
+                if step.token is not None:
+                    tokens[step.request_id].append(step.token)
+                if step.completion is not None:
+                    results[step.request_id] = self._output(step, tokens[step.request_id],
+                                                            prompts[ids.index(step.request_id)],
+                                                            params[ids.index(step.request_id)])
+        return [results[i] for i in ids]
+
+    def _output(self, step, tokens: list[TokenOutput], prompt, params) -> RequestOutput:
+        done = step.completion
+        prompt_text = prompt if isinstance(prompt, str) else None
+        prompt_ids = (self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt))
+        return RequestOutput(
+            request_id=step.request_id, prompt=prompt_text, prompt_token_ids=prompt_ids,
+            token_ids=[t.token_id for t in tokens],
+            text="".join(t.text for t in tokens) + done.tail_text,
+            finish_reason=done.reason,
+            logprobs=tokens if params.logprobs is not None else None,
+            timing=done.timing)

@@ -1,0 +1,198 @@
+"""LLMEngine: add_request / step / abort. Each step yields one GenerationStep per request that
+something happened to, so EOS, stop and max-tokens termination can never look alike."""
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from .config import EngineConfig
+from .default_model import default_model_path
+from .detokenizer import IncrementalDetokenizer, StopCheck, StopStringMatcher
+from .errors import InvalidRequestError
+from .kv_cache import KVCacheManager
+from .model_runner import ModelRunner
+from .models import ModelArch
+from .outputs import (Completion, FinishReason, GenerationStep, RequestTiming, TokenOutput)
+from .request import Request
+from .sampler import SampledToken
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+
+class LLMEngine:
+    """Single-threaded: call it from one thread (server/async_engine.py hosts it)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = Path(config.model) if config.model else default_model_path()
+        self.arch = ModelArch.from_folder(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.max_model_len = (config.scheduler.max_model_len
+                              or self.arch.max_position_embeddings)
+        self.runner = ModelRunner(config, self.arch, self.model_path, self.max_model_len)
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                       config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        eos = set(self.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, Request] = {}
+        self._pending_aborts: list[str] = []
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # ---- public API ----------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.model_path.name
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for a request that could never run."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.arch.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
+        try:
+            params.check_vocab(vocab)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc).split(" ")[0], str(exc)) from None
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
+        blocks = self.kv_cache.blocks_needed(total)
+        if blocks > self.kv_cache.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks "
+                f"but the cache has {self.kv_cache.num_blocks}")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenize(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        self.validate(token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        request = Request(
+            request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.perf_counter(),
+            eos_token_ids=self.eos_token_ids,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output))
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Queued; applied at the start of the next step, which reports it as `abort`."""
+        self._pending_aborts.append(request_id)
+
+    def abort_all(self) -> list[GenerationStep]:
+        """End every request now (after an engine failure); returns their abort steps."""
+        self._pending_aborts.extend(self._requests)
+        return self._apply_aborts()
+
+    def step(self) -> list[GenerationStep]:
+        steps = self._apply_aborts()
+        schedule = self.scheduler.schedule()
+        if schedule.empty:
+            return steps
+        sampled = self.runner.execute(schedule)
+        now = time.perf_counter()
+        for s in schedule.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv_cache.cache_full_blocks(s.request)
+        for request_id, token in sampled.items():
+            steps.append(self._on_token(self._requests[request_id], token, now))
+        return steps
+
+    # ---- internals -----------------------------------------------------------------------
+    def _apply_aborts(self) -> list[GenerationStep]:
+        steps = []
+        pending, self._pending_aborts = self._pending_aborts, []
+        for request_id in pending:
+            request = self._requests.get(request_id)
+            if request is not None:
+                steps.append(self._finish(request, FinishReason.ABORT, time.perf_counter()))
+        return steps
+
+    def _on_token(self, request: Request, sampled: SampledToken, now: float) -> GenerationStep:
+        params = request.params
+        if request.first_token_time is None:
+            request.first_token_time = now
+        token_id = sampled.token_id
+        if token_id in params.stop_token_ids:
+            drained = self._drain(request)
+            return self._finish(request, FinishReason.STOP, now, token_id, drained.text)
+        if token_id in request.eos_token_ids and not params.ignore_eos:
+            drained = self._drain(request)
+            reason = FinishReason.STOP if drained.matched else FinishReason.EOS
+            return self._finish(request, reason, now, drained.matched, drained.text)
+
+        request.token_ids.append(token_id)
+        self.num_generated_tokens += 1
+        check = request.stop_matcher.feed(request.detokenizer.add_token(token_id))
+        text, reason, matched = check.text, None, check.matched
+        if matched is not None:
+            reason = FinishReason.STOP
+        elif (request.num_output_tokens >= params.max_tokens
+              or request.num_tokens >= self.max_model_len):
+            drained = self._drain(request)
+            text += drained.text
+            reason = FinishReason.STOP if drained.matched else FinishReason.LENGTH
+            matched = drained.matched
+        token = TokenOutput(token_id, request.num_output_tokens - 1, text, sampled.logprob,
+                            sampled.top_logprobs)
+        if reason is None:
+            return GenerationStep(request.request_id, token, None)
+        step = self._finish(request, reason, now, matched=matched)
+        return GenerationStep(request.request_id, token, step.completion)
+
+    @staticmethod
+    def _drain(request: Request) -> StopCheck:
+        """Release the text held back at the end: incomplete UTF-8 and a partial stop string
+        (unless the released text completes a stop string)."""
+        held = request.stop_matcher.feed(request.detokenizer.flush())
+        if held.matched:
+            return held
+        return StopCheck(held.text + request.stop_matcher.flush(), None)
+
+    def _finish(self, request: Request, reason: FinishReason, now: float,
+                matched: str | int | None = None, tail: str = "") -> GenerationStep:
+        self.scheduler.remove(request)
+        del self._requests[request.request_id]
+        self.num_prompt_tokens += request.num_prompt_tokens
+        timing = RequestTiming(
+            arrival=request.arrival_time,
+            first_scheduled=request.first_scheduled_time or now,
+            first_token=request.first_token_time or now,
+            finish=now)
+        completion = Completion(reason, request.num_prompt_tokens, request.num_output_tokens,
+                                timing, tail, matched)
+        return GenerationStep(request.request_id, None, completion)

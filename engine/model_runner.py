@@ -1,0 +1,108 @@
+"""Turns a SchedulerOutput into one forward pass over a flattened token batch, and samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .attention import AttentionMetadata, make_attention_backend
+from .config import EngineConfig
+from .models import ForwardContext, ModelArch, build_model
+from .request import Request
+from .sampler import SampledToken, Sampler
+from .scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [S] rows of the hidden states whose logits are sampled
+    sample_requests: list[Request]  # [S]
+
+
+def num_cache_blocks(config: EngineConfig, arch: ModelArch) -> int:
+    if config.cache.num_blocks is not None:
+        return config.cache.num_blocks
+    per_block = arch.kv_bytes_per_token(config.torch_dtype) * config.cache.block_size
+    blocks = config.cache.cache_bytes // per_block
+    if blocks < 1:
+        raise ValueError(f"cache_bytes={config.cache.cache_bytes} holds no block of "
+                         f"{per_block} bytes")
+    return blocks
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, arch: ModelArch, folder: Path | None,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.arch = arch
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        self.model = build_model(arch, folder, config.torch_dtype, self.device, max_model_len,
+                                 dummy=config.load_format == "dummy", seed=config.seed)
+        self.backend = make_attention_backend(config.use_triton("attention"))
+        self.num_blocks = num_cache_blocks(config, arch)
+        shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=config.torch_dtype, device=self.device),
+                           torch.zeros(shape, dtype=config.torch_dtype, device=self.device))
+                          for _ in range(arch.num_layers)]
+        self.sampler = Sampler(config.use_triton("sampler"), arch.vocab_size, config.seed)
+
+    @torch.inference_mode()
+    def execute(self, schedule: SchedulerOutput) -> dict[str, SampledToken]:
+        model_input = self.prepare(schedule.scheduled)
+        ctx = ForwardContext(model_input.meta, self.kv_caches, self.backend)
+        hidden = self.model(model_input.input_ids, model_input.positions, ctx)
+        if not model_input.sample_requests:
+            return {}
+        logits = self.model.compute_logits(hidden[model_input.sample_indices])  # [S, V]
+        sampled = self.sampler(logits, model_input.sample_requests)
+        return {r.request_id: s for r, s in zip(model_input.sample_requests, sampled)}
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInput:
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens != 1]
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_indices: list[int] = []
+        sample_requests: list[Request] = []
+        for s in decodes + prefills:
+            r = s.request
+            end = s.start + s.num_new_tokens
+            input_ids.extend(r.token_ids[s.start:end])
+            positions.extend(range(s.start, end))
+            blocks = r.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(s.start, end))
+            if s.samples:
+                sample_indices.append(len(input_ids) - 1)
+                sample_requests.append(r)
+        cu = [0]
+        for s in prefills:
+            cu.append(cu[-1] + s.num_new_tokens)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=self._block_table(decodes),
+            decode_seq_lens=self._tensor([s.start + 1 for s in decodes], torch.int32),
+            prefill_block_tables=self._block_table(prefills),
+            prefill_seq_lens=self._tensor([s.start + s.num_new_tokens for s in prefills],
+                                          torch.int32),
+            prefill_cu_seqlens_q=self._tensor(cu, torch.int32),
+        )
+        return ModelInput(self._tensor(input_ids, torch.int64),
+                          self._tensor(positions, torch.int64), meta,
+                          self._tensor(sample_indices, torch.int64), sample_requests)
+
+    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _block_table(self, group: list[ScheduledRequest]) -> torch.Tensor:
+        """[len(group), max blocks] int32, padded with block 0 (never read past seq_len)."""
+        width = max((len(s.request.block_ids) for s in group), default=0)
+        rows = [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in group]
+        return self._tensor(rows, torch.int32).view(len(group), width)

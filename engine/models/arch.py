@@ -1,0 +1,123 @@
+"""The model's architecture, read from a Hugging Face config.json into one typed record."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelArch":
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        eos = config.get("eos_token_id")
+        gen_path = folder / "generation_config.json"
+        if gen_path.exists():
+            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
+        return cls.from_dict(config, eos)
+
+    @classmethod
+    def from_dict(cls, config: dict, eos: int | list[int] | None = None) -> "ModelArch":
+        archs = config.get("architectures") or [_BY_MODEL_TYPE.get(config.get("model_type"))]
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architectures {archs}; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be silu, got {config['hidden_act']!r}")
+        num_heads = config["num_attention_heads"]
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"rope type {rope_type!r} is not supported")
+        eos = config.get("eos_token_id") if eos is None else eos
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope if rope_type != "default" else None,
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    def flops_per_token(self) -> float:
+        """Matmul FLOPs of one token through the weights (2 x non-embedding params + lm_head)."""
+        h = self.hidden_size
+        embed_lookup = self.vocab_size * h  # a gather, not a matmul
+        return 2.0 * (self.num_params - embed_lookup - h)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.finfo(dtype).bits // 8
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in fp32, with Llama 3 or linear scaling applied."""
+    d = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = arch.rope_scaling
+    if not scaling:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_len / low_freq_factor
+    high_freq_wavelen = old_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

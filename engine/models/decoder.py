@@ -1,0 +1,138 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened token batch.
+
+Projections are fused: one qkv matmul and one gate/up matmul per layer. Differences between
+the families are flags on ModelArch: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied
+embeddings, rope scaling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionBackend, AttentionMetadata
+from .arch import ModelArch, rope_inv_freq
+
+
+@dataclass
+class ForwardContext:
+    meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k_cache, v_cache
+    backend: AttentionBackend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) rope with a precomputed cos/sin table."""
+
+    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(arch)  # [head_dim/2]
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim], positions [T]"""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.qk_norm = arch.qk_norm
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding,
+                ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q), rope(positions, k)
+        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        out = ctx.backend.forward(q, k, v.contiguous(), k_cache, v_cache, ctx.meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch, layer_index)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, positions, x, rope, ctx) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rope = RotaryEmbedding(arch, max_positions)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]"""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, self.rope, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab]"""
+        weight = self.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight)

@@ -1,0 +1,139 @@
+"""Strict weight loading from a local Hugging Face folder into the fused modules.
+
+Every checkpoint tensor must land somewhere with the right shape, and every parameter slice
+must be filled exactly once: missing, unexpected or mis-shaped tensors fail loudly, naming them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .arch import ModelArch
+from .decoder import DecoderForCausalLM
+
+# Buffers some checkpoints carry that are recomputed here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where one checkpoint tensor goes: rows [start, start + rows) of a parameter."""
+
+    param: torch.nn.Parameter
+    start: int
+    rows: int
+
+
+def checkpoint_slots(model: DecoderForCausalLM) -> dict[str, WeightSlot]:
+    arch = model.arch
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    slots: dict[str, WeightSlot] = {}
+
+    def whole(name: str, param: torch.nn.Parameter) -> None:
+        slots[name] = WeightSlot(param, 0, param.shape[0])
+
+    whole("model.embed_tokens.weight", model.embed_tokens.weight)
+    whole("model.norm.weight", model.norm.weight)
+    if not arch.tie_word_embeddings:
+        whole("lm_head.weight", model.lm_head.weight)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        suffixes = ("weight", "bias") if arch.qkv_bias else ("weight",)
+        for suffix in suffixes:
+            fused = getattr(attn.qkv_proj, suffix)
+            for name, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                slots[f"{p}self_attn.{name}_proj.{suffix}"] = WeightSlot(fused, start, rows)
+        whole(f"{p}self_attn.o_proj.weight", attn.o_proj.weight)
+        if arch.qk_norm:
+            whole(f"{p}self_attn.q_norm.weight", attn.q_norm.weight)
+            whole(f"{p}self_attn.k_norm.weight", attn.k_norm.weight)
+        inter = arch.intermediate_size
+        slots[f"{p}mlp.gate_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, 0, inter)
+        slots[f"{p}mlp.up_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, inter, inter)
+        whole(f"{p}mlp.down_proj.weight", mlp.down_proj.weight)
+        whole(f"{p}input_layernorm.weight", layer.input_layernorm.weight)
+        whole(f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+    return slots
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {folder}")
+    return files
+
+
+@torch.no_grad()
+def load_weights(model: DecoderForCausalLM, folder: str | Path) -> None:
+    folder = Path(folder)
+    slots = checkpoint_slots(model)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    mis_shaped: list[str] = []
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and model.arch.tie_word_embeddings:
+                    continue  # tied: the embedding is the head
+                slot = slots.get(name)
+                if slot is None:
+                    unexpected.append(name)
+                    continue
+                tensor = f.get_tensor(name)
+                expected = (slot.rows, *slot.param.shape[1:])
+                if tuple(tensor.shape) != expected:
+                    mis_shaped.append(f"{name}: checkpoint {tuple(tensor.shape)}, "
+                                      f"model {expected}")
+                    continue
+                slot.param[slot.start:slot.start + slot.rows].copy_(tensor)
+                loaded.add(name)
+    missing = sorted(set(slots) - loaded - {s.split(':')[0] for s in mis_shaped})
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {unexpected[:8]}"
+                        f"{' ...' if len(unexpected) > 8 else ''}")
+    if mis_shaped:
+        problems.append(f"mis-shaped tensors: {mis_shaped[:8]}")
+    if problems:
+        raise WeightLoadError(f"cannot load {folder}: " + "; ".join(problems))
+
+
+@torch.no_grad()
+def init_dummy_weights(model: DecoderForCausalLM, seed: int = 0) -> None:
+    """Random weights from the config alone (benchmarks of large shapes)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+
+
+def build_model(arch: ModelArch, folder: str | Path | None, dtype: torch.dtype,
+                device: torch.device, max_positions: int, dummy: bool = False,
+                seed: int = 0) -> DecoderForCausalLM:
+    model = DecoderForCausalLM(arch, max_positions)
+    if dummy:
+        init_dummy_weights(model, seed)
+    else:
+        load_weights(model, folder)
+    for param in model.parameters():  # the rope cos/sin table stays in fp32
+        param.data = param.data.to(dtype)
+    return model.to(device).eval()

@@ -1,0 +1,59 @@
+"""Per-request state owned by the engine (never crosses a boundary)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    eos_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    # prompt + sampled tokens; the last sampled token's KV is computed in the next step
+    token_ids: list[int] = field(init=False)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading full blocks already registered in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.params.max_tokens

@@ -1,0 +1,104 @@
+"""Per-request sampling parameters, validated with errors that name the parameter."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+def _fail(name: str, rule: str, value: object) -> None:
+    raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def _check_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _fail(name, "a finite number", value)
+    return float(value)
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(name, "an integer", value)
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 or 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off; >1 discourages tokens seen in prompt or output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop token ids are suppressed until this many tokens
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N alternatives per output token, 0 = sampled token only
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        temperature = _check_number("temperature", self.temperature)
+        if temperature < 0:
+            _fail("temperature", ">= 0 (0 means greedy)", self.temperature)
+        if _check_int("top_k", self.top_k) < -1:
+            _fail("top_k", "-1 (off), 0 (off) or a positive integer", self.top_k)
+        top_p = _check_number("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            _fail("top_p", "in (0, 1]", self.top_p)
+        if not 0.0 <= _check_number("min_p", self.min_p) <= 1.0:
+            _fail("min_p", "in [0, 1]", self.min_p)
+        if _check_number("repetition_penalty", self.repetition_penalty) <= 0:
+            _fail("repetition_penalty", "> 0", self.repetition_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= _check_number(name, getattr(self, name)) <= 2.0:
+                _fail(name, "in [-2, 2]", getattr(self, name))
+        if self.seed is not None and _check_int("seed", self.seed) < 0:
+            _fail("seed", "a non-negative integer", self.seed)
+        if _check_int("max_tokens", self.max_tokens) < 1:
+            _fail("max_tokens", ">= 1", self.max_tokens)
+        if _check_int("min_tokens", self.min_tokens) < 0 or self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            _fail("stop", "a list of non-empty strings", self.stop)
+        object.__setattr__(self, "stop", stop)
+        stop_ids = tuple(self.stop_token_ids or ())
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop_ids):
+            _fail("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+        if self.logprobs is not None:
+            if not 0 <= _check_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
+                _fail("logprobs", f"in [0, {MAX_LOGPROBS}]", self.logprobs)
+        bias = {}
+        for token, value in dict(self.logit_bias or {}).items():
+            token_id = int(token) if isinstance(token, str) and token.isdigit() else token
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                _fail("logit_bias", "a map of token ids to biases", self.logit_bias)
+            if not -100.0 <= _check_number("logit_bias", value) <= 100.0:
+                _fail("logit_bias", "a map of token ids to biases in [-100, 100]", self.logit_bias)
+            bias[token_id] = float(value)
+        object.__setattr__(self, "logit_bias", bias)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids can only be checked once the model is known."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias", tuple(self.logit_bias))):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                _fail(name, f"token ids below the vocabulary size {vocab_size}", bad)

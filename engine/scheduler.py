@@ -1,0 +1,116 @@
+"""Continuous batching under a per-step token budget, vLLM-v1 style.
+
+There are no separate prefill and decode phases: every running request asks for the tokens it
+has not computed yet (a whole prompt, a chunk of it, or the one token sampled last step), and
+the scheduler hands out the budget first to running requests, then to waiting ones in arrival
+order. A failed block allocation is the single back-pressure signal: it preempts the most
+recently arrived running request (its blocks are freed and it is recomputed later).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from .config import SchedulerConfig
+from .kv_cache import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    start: int  # first position computed this step (== num_computed_tokens at schedule time)
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last known token, so its logits
+        give the next token; False for a chunk in the middle of a prompt."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[str]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a finished or aborted request out and return its blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                budget -= num_new
+                index += 1
+
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            cached = self.kv_cache.find_cached_prefix(request)
+            num_cached_tokens = len(cached) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_cached_tokens, budget)
+            if not self.kv_cache.allocate(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached_tokens
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.perf_counter()
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_cached_tokens, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(scheduled, preempted)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)

@@ -1,0 +1,44 @@
+"""Helpers shared by the kernel launchers."""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def compute_in_fp32(dtype: torch.dtype) -> bool:
+    """The interpreter has no bf16 arithmetic (a bf16 tl.dot is silently wrong): cast after
+    loading. fp32 inputs also compute in fp32 (with exact, not tf32, dots)."""
+    return interpreting() or dtype == torch.float32
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if compute_in_fp32(dtype) else "tf32"
+
+
+@lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    if not torch.cuda.is_available():
+        return 132  # an H100/H200-sized default for the interpreter's heuristics
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError("k_cache and v_cache must both be [num_blocks, block_size, "
+                         f"num_kv_heads, head_dim], got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+
+
+next_power_of_2 = triton.next_power_of_2
+__all__ = ["tl", "triton", "interpreting", "compute_in_fp32", "dot_precision", "num_sms",
+           "check_cache_layout", "next_power_of_2"]

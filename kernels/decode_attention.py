@@ -1,0 +1,159 @@
+"""paged_decode_attention: one new query token per sequence over its paged KV cache.
+
+Grid: (sequence, KV head, split). One program packs the G query heads that share a KV head
+into the rows of a tl.dot, so each K/V tile is loaded once per group, not once per head.
+Split-KV (flash-decoding): when sequences x KV heads cannot fill the GPU and contexts are long,
+each program covers a slice of the context and a second kernel merges the slices with
+log-sum-exp. Heuristic (choose_num_splits): split only when the grid has fewer than 2 programs
+per SM, keep at least 256 tokens per split, and use at most 8 splits (as SGLang does).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_cache_layout, compute_in_fp32, dot_precision, num_sms
+
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 8
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                   out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
+                   stride_qs, stride_qh, stride_bts, stride_cb, stride_ct, stride_ch,
+                   stride_os, stride_oh,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
+    blocks_per_split = tl.cdiv(num_blocks, NUM_SPLITS)
+    first_block = split * blocks_per_split
+    last_block = tl.minimum(first_block + blocks_per_split, num_blocks)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    t = tl.arange(0, BLOCK_SIZE)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for b in range(first_block, last_block):
+        block = tl.load(block_tables_ptr + seq * stride_bts + b).to(tl.int64)
+        base = block * stride_cb + kv_head * stride_ch
+        kv_offs = base + t[:, None] * stride_ct + d[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=d_mask[None, :], other=0.0)  # [BS, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_offs, mask=d_mask[None, :], other=0.0)
+        if FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BS]
+        s = tl.where((b * BLOCK_SIZE + t)[None, :] < seq_len, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        num_heads = NUM_KV_HEADS * GROUP
+        row = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :], acc,
+                 mask=g_mask[:, None])
+        tl.store(part_max_ptr + row, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + row, l_i, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+                         stride_os, stride_oh, NUM_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + sp  # [NUM_SPLITS]
+    maxes = tl.load(part_max_ptr + row)
+    sums = tl.load(part_sum_ptr + row)
+    accs = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + d[None, :])  # [NUM_SPLITS, BLOCK_D]
+    global_max = tl.max(maxes, axis=0)
+    weights = tl.exp(maxes - global_max)  # empty splits have max -inf -> weight 0
+    total = tl.sum(weights * sums, axis=0)
+    out = tl.sum(accs * weights[:, None], axis=0) / total
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                      device: torch.device) -> int:
+    programs = num_seqs * num_kv_heads
+    target = 2 * num_sms(device.index or 0)
+    if programs >= target or max_seq_len < 2 * MIN_TOKENS_PER_SPLIT:
+        return 1
+    by_fill = -(-target // programs)
+    by_length = max_seq_len // MIN_TOKENS_PER_SPLIT
+    return triton.next_power_of_2(min(MAX_SPLITS, by_fill, by_length) + 1) // 2 or 1
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           num_splits: int | None = None,
+                           max_seq_len: int | None = None) -> torch.Tensor:
+    """q [num_seqs, num_heads, head_dim] -> out of the same shape. num_splits overrides the
+    heuristic (a power of two); max_seq_len avoids reading seq_lens back from the device."""
+    check_cache_layout(k_cache, v_cache)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q heads {num_heads} x {head_dim} do not fit cache KV heads "
+                         f"{num_kv_heads} x {cache_head_dim}")
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    q = q if q.stride(2) == 1 else q.contiguous()
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+    if num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        rows = num_seqs * num_heads * num_splits
+        part_acc = torch.empty(rows, block_d, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(rows, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty(rows, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_max = part_sum = out  # unused
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum, scale,
+        q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), out.stride(0), out.stride(1),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, FP32=compute_in_fp32(q.dtype),
+        PRECISION=dot_precision(q.dtype))
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits)
+    return out

@@ -1,0 +1,29 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="tritonserve",
+    version="0.1.0",
+    description="A vLLM-style LLM serving engine whose hot paths are Triton kernels",
+    packages=find_packages(include=["engine", "engine.*", "kernels", "kernels.*",
+                                    "server", "server.*", "bench", "bench.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # A range that the CPU build 2.13.0 satisfies; scripts/bootstrap.sh pins it first
+        # so pip never pulls a multi-GB CUDA build.
+        "torch>=2.4,<2.15",
+        "triton>=3.0",
+        "transformers>=4.45",
+        "tokenizers>=0.19",
+        "safetensors>=0.4",
+        "aiohttp>=3.9",
+        "pydantic>=2.6",
+        "prometheus-client>=0.20",
+        "numpy>=1.26",
+        # Needed once, to convert the embedded SmolLM2 GGUF into safetensors.
+        "gguf>=0.10",
+        "accelerate>=0.30",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "matplotlib>=3.8"],
+    },
+)
