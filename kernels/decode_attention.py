@@ -54,8 +54,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         block = tl.load(block_tables_ptr + seq * stride_bts + b).to(tl.int64)
         base = block * stride_cb + kv_head * stride_ch
         kv_offs = base + t[:, None] * stride_ct + d[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=d_mask[None, :], other=0.0)  # [BS, BLOCK_D]
-        v = tl.load(v_cache_ptr + kv_offs, mask=d_mask[None, :], other=0.0)
+        # slots past seq_len may hold anything (even NaN): never load them
+        kv_mask = ((b * BLOCK_SIZE + t) < seq_len)[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BS, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         if FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -115,8 +117,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None,
-                           max_seq_len: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, max_seq_len: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim] -> out of the same shape. num_splits overrides the
     heuristic (a power of two); max_seq_len avoids reading seq_lens back from the device."""
     check_cache_layout(k_cache, v_cache)
@@ -125,7 +127,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if cache_head_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"q heads {num_heads} x {head_dim} do not fit cache KV heads "
                          f"{num_kv_heads} x {cache_head_dim}")
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
     q = q if q.stride(2) == 1 else q.contiguous()

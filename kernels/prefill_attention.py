@@ -50,13 +50,15 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
         for b in range(0, tl.cdiv(last_pos, BLOCK_SIZE)):
             block = tl.load(block_tables_ptr + seq * stride_bts + b).to(tl.int64)
             kv_offs = block * stride_cb + kv_head * stride_ch + t[:, None] * stride_ct + d[None, :]
-            k = tl.load(k_cache_ptr + kv_offs, mask=d_mask[None, :], other=0.0)  # [BS, BLOCK_D]
-            v = tl.load(v_cache_ptr + kv_offs, mask=d_mask[None, :], other=0.0)
+            # slots past seq_len may hold anything (even NaN): never load them
+            kv_mask = ((b * BLOCK_SIZE + t) < seq_len)[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BS, BLOCK_D]
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
             if FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BS]
-            k_pos = b * BLOCK_SIZE + t
+            k_pos = b * BLOCK_SIZE + t  # [BS]
             visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -73,7 +75,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float,
-                            max_q_len: int | None = None) -> torch.Tensor:
+                            max_q_len: int | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """q [total_query_tokens, num_heads, head_dim] -> out of the same shape."""
     check_cache_layout(k_cache, v_cache)
     total, num_heads, head_dim = q.shape
@@ -81,7 +84,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if cache_head_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"q heads {num_heads} x {head_dim} do not fit cache KV heads "
                          f"{num_kv_heads} x {cache_head_dim}")
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
     if total == 0 or num_seqs == 0:
         return out

@@ -34,12 +34,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_len = int(seq_lens.max()) if batch else 0
     max_blocks = -(-max_len // k_cache.shape[1])
     tables = block_tables[:, :max_blocks]
-    keys = _gather_context(k_cache, tables)[:, :max_len].float()  # [B, L, kvh, d]
-    values = _gather_context(v_cache, tables)[:, :max_len].float()
-    qg = q.float().view(batch, num_kv_heads, group, head_dim)  # [B, kvh, G, d]
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * scale  # [B, kvh, G, L]
     positions = torch.arange(max_len, device=q.device)
     invalid = positions[None, :] >= seq_lens[:, None].to(positions.device)  # [B, L]
+    # slots past a sequence's length may hold anything (even NaN): zero them
+    keys = _gather_context(k_cache, tables)[:, :max_len].float()  # [B, L, kvh, d]
+    values = _gather_context(v_cache, tables)[:, :max_len].float()
+    keys = keys.masked_fill(invalid[:, :, None, None], 0.0)
+    values = values.masked_fill(invalid[:, :, None, None], 0.0)
+    qg = q.float().view(batch, num_kv_heads, group, head_dim)  # [B, kvh, G, d]
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * scale  # [B, kvh, G, L]
     scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgl,blhd->bhgd", probs, values)  # [B, kvh, G, d]

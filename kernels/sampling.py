@@ -136,7 +136,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     block_v = min(triton.next_power_of_2(vocab), 1024 if interpreting() else 4096)
     if block_rows is None:
-        block_rows = 16 if vocab <= 2048 or interpreting() else 1
+        block_rows = 64 if interpreting() else (16 if vocab <= 2048 else 1)
     _sample_kernel[(triton.cdiv(batch, block_rows),)](
         logits, logits.stride(0), temperature.float().contiguous(), top_k.int().contiguous(),
         top_p.float().contiguous(), min_p.float().contiguous(), seeds.long().contiguous(), out,

@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import os
+
+# CI has no GPU: Triton kernels run through the interpreter. This must be set before Triton
+# decorates the kernels (at import); a CUDA run sets TRITON_INTERPRET=0 explicitly.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from tests.tiny_models import write_tiny_model
+
+ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    return {arch: str(write_tiny_model(tmp_path_factory.mktemp(arch), arch))
+            for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from engine.default_model import default_model_path
+    return str(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """Kernel tests run on CUDA when there is one (bench/gpu_check.sh), else interpreted."""
+    import torch
+    return "cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "0" \
+        else "cpu"

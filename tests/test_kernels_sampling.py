@@ -1,0 +1,112 @@
+"""The sampling kernel (interpreted on the CPU) and its torch reference: exact greedy, never a
+masked token, the renormalised distribution (chi-square), same seeds -> same tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+
+SAMPLERS = {"triton": kernels.sample, "torch": reference.sample}
+# chi-square 0.999 quantiles by degrees of freedom (fixed seeds: the test is deterministic)
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12,
+            9: 27.88, 10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70}
+
+
+def params(batch, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed0=0):
+    return (torch.full((batch,), float(temperature)),
+            torch.full((batch,), top_k, dtype=torch.int32),
+            torch.full((batch,), float(top_p)), torch.full((batch,), float(min_p)),
+            torch.arange(seed0, seed0 + batch, dtype=torch.int64) * 7919 + 13)
+
+
+def expected_distribution(logits, temperature, top_k, top_p, min_p):
+    """The renormalised target, by sorting (written independently of both samplers)."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    k = top_k if 0 < top_k < len(probs) else len(probs)
+    keep[order[:k]] = True
+    kept_mass = probs[keep].sum()
+    running = 0.0
+    for rank, token in enumerate(order[:k].tolist()):
+        running += float(probs[token])
+        if running >= top_p * float(kept_mass) - 1e-12:
+            keep[order[rank + 1:]] = False
+            break
+    keep &= probs >= min_p * probs.max()
+    target = torch.where(keep, probs, 0.0)
+    return target / target.sum(), keep
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_greedy_is_exact_argmax(name):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(37, 300, generator=gen)
+    logits[3, 10] = logits[3, 11] = logits[3].max() + 1  # a tie: the first index wins
+    tokens = SAMPLERS[name](logits, *params(37, temperature=0.0, top_k=5, top_p=0.5))
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert int(tokens[3]) == 10
+
+
+CASES = [
+    # (temperature, top_k, top_p, min_p)
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 5, 1.0, 0.0),
+    (1.0, 0, 0.8, 0.0),
+    (1.3, 0, 1.0, 0.1),
+    (1.0, 8, 0.9, 0.05),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", CASES)
+def test_samples_follow_renormalised_distribution(name, temperature, top_k, top_p, min_p):
+    vocab, draws = 16, 2000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(5)) * 1.5
+    target, keep = expected_distribution(logits, temperature, top_k, top_p, min_p)
+    batch = logits.expand(draws, vocab).contiguous()
+    tokens = SAMPLERS[name](batch, *params(draws, temperature, top_k, top_p, min_p))
+    assert bool(keep[tokens].all()), f"sampled a masked token: {set(tokens[~keep[tokens]].tolist())}"
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    kept = keep.nonzero().squeeze(1)
+    expected = target[kept] * draws
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    dof = len(kept) - 1
+    if dof:
+        assert chi2 < CHI2_999[dof], f"chi2 {chi2:.1f} with {dof} dof"
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_same_seeds_same_tokens_and_rows_independent(name):
+    logits = torch.randn(24, 200, generator=torch.Generator().manual_seed(2))
+    args = params(24, temperature=1.0, top_k=50, top_p=0.95)
+    first = SAMPLERS[name](logits, *args)
+    again = SAMPLERS[name](logits, *args)
+    assert torch.equal(first, again)
+    # row 5 alone, with its own seed, samples what it sampled inside the batch
+    single = SAMPLERS[name](logits[5:6].contiguous(), *(a[5:6] for a in args))
+    assert int(single[0]) == int(first[5])
+    other_seeds = SAMPLERS[name](logits, *args[:4], args[4] + 1)
+    assert not torch.equal(first, other_seeds)
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_mixed_rows_in_one_batch(name):
+    """Greedy, top-k 1 and filtered rows side by side each obey their own parameters."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 1500, generator=gen)  # > one 1024-wide chunk in the interpreter
+    temperature = torch.tensor([0.0, 1.0, 1.0, 0.5, 1.0, 2.0])
+    top_k = torch.tensor([0, 1, 3, 0, 0, 0], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1e-6, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    seeds = torch.arange(6, dtype=torch.int64)
+    tokens = SAMPLERS[name](logits, temperature, top_k, top_p, min_p, seeds)
+    argmax = logits.argmax(dim=-1)
+    assert int(tokens[0]) == int(argmax[0])
+    assert int(tokens[1]) == int(argmax[1])  # top-k 1
+    assert int(tokens[2]) in logits[2].topk(3).indices.tolist()
+    assert int(tokens[3]) == int(argmax[3])  # tiny top-p keeps only the top token
+    assert int(tokens[4]) == int(argmax[4])  # min-p 1 keeps only the top token

@@ -1,0 +1,85 @@
+"""Tiny random Llama-family models and a BPE tokenizer trained on the fly, written to folders."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "A scheduler batches many requests and streams every token as soon as it is sampled.",
+    "Hello world! Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.",
+    "Emoji and other scripts: 😀 🚀 🎉 ❤️ café naïve 你好世界 日本語のテキスト 한국어 Привет мир.",
+    "def main():\n    print('hello')\n    return 0\n",
+    "Stop strings like ### or END may span several tokens.",
+] * 20
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                 "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tokenizer(folder: Path, vocab_size: int = 384) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", unk_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return tokenizer.get_vocab_size()
+
+
+def write_tiny_model(folder: Path, architecture: str = "LlamaForCausalLM", seed: int = 0,
+                     **overrides) -> Path:
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(folder)
+    eos = SPECIAL_TOKENS.index("<|im_end|>")
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
+                  eos_token_id=eos, bos_token_id=1, pad_token_id=0)
+    family = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+    }[architecture]
+    if architecture == "Qwen3ForCausalLM":
+        common["head_dim"] = 16
+    common.update(overrides)
+    config = family(**common)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def with_eos(source: Path, target: Path, eos_token_id: int) -> Path:
+    """A copy of a model folder whose EOS token is `eos_token_id` (same weights)."""
+    shutil.copytree(source, target)
+    for name in ("config.json", "generation_config.json"):
+        path = target / name
+        if path.exists():
+            data = json.loads(path.read_text())
+            data["eos_token_id"] = eos_token_id
+            path.write_text(json.dumps(data))
+    tok_config = target / "tokenizer_config.json"
+    data = json.loads(tok_config.read_text())
+    data.pop("eos_token", None)
+    tok_config.write_text(json.dumps(data))
+    return target
