@@ -1,0 +1,88 @@
+"""Penalties against a loop reference, logprobs, and seeded sampling that does not depend on
+the batch around it (torch and Triton samplers)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import apply_penalties
+
+
+def loop_reference(logits, prompt, output, repetition, presence, frequency):
+    logits = logits.clone()
+    for token in range(logits.shape[0]):
+        count = output.count(token)
+        if token in prompt or count:
+            logits[token] = (logits[token] / repetition if logits[token] > 0
+                             else logits[token] * repetition)
+        logits[token] -= frequency * count
+        if count:
+            logits[token] -= presence
+    return logits
+
+
+def test_penalties_match_loop_reference():
+    gen = torch.Generator().manual_seed(0)
+    vocab, batch = 50, 4
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    prompts = [[1, 2, 3], [4, 4, 9], [], [10, 11]]
+    outputs = [[2, 2, 5], [], [7, 7, 7, 8], [11, 12, 12]]
+    rep = [1.3, 1.0, 0.8, 2.0]
+    pres = [0.5, -0.3, 0.0, 1.5]
+    freq = [0.2, 0.0, -0.7, 1.0]
+    prompt_mask = torch.zeros(batch, vocab, dtype=torch.bool)
+    counts = torch.zeros(batch, vocab)
+    for row in range(batch):
+        prompt_mask[row, prompts[row]] = True
+        for t in outputs[row]:
+            counts[row, t] += 1
+    got = apply_penalties(logits, prompt_mask, counts, torch.tensor(rep), torch.tensor(pres),
+                          torch.tensor(freq))
+    for row in range(batch):
+        want = loop_reference(logits[row], prompts[row], outputs[row], rep[row], pres[row],
+                              freq[row])
+        torch.testing.assert_close(got[row], want)
+
+
+@pytest.fixture(scope="module", params=["torch", "triton"])
+def llm(request, tiny_model):
+    return LLM(tiny_model, sampler_backend=request.param)
+
+
+def test_seeded_sampling_ignores_batch_composition(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=1234, max_tokens=10)
+    alone = llm.generate(["The quick brown fox"], params)[0].token_ids
+    crowd = ["Hello world", "The quick brown fox", "def main():", "Paged attention"]
+    crowd_params = [SamplingParams(temperature=0.8, max_tokens=14),
+                    params,
+                    SamplingParams(temperature=1.0, seed=99, max_tokens=6),
+                    SamplingParams(temperature=0.0, max_tokens=10)]
+    outs = llm.generate(crowd, crowd_params)
+    assert outs[1].token_ids == alone
+    other_seed = llm.generate(["The quick brown fox"],
+                              SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=4321,
+                                             max_tokens=10))[0].token_ids
+    assert other_seed != alone
+
+
+def test_logprobs_are_sorted_and_consistent(tiny_model):
+    llm = LLM(tiny_model)
+    out = llm.generate(["Hello world"], SamplingParams(temperature=0.0, max_tokens=4,
+                                                       logprobs=5))[0]
+    assert len(out.logprobs) == 4
+    for token in out.logprobs:
+        values = [t.logprob for t in token.top_logprobs]
+        assert len(values) == 5 and values == sorted(values, reverse=True)
+        assert token.top_logprobs[0].token_id == token.token_id  # greedy: the top one
+        assert token.logprob == pytest.approx(values[0])
+        assert sum(pow(2.718281828, v) for v in values) <= 1.0 + 1e-5
+
+
+def test_repetition_penalty_changes_greedy_output(tiny_model):
+    llm = LLM(tiny_model)
+    plain = llm.generate(["la la la"], SamplingParams(temperature=0.0, max_tokens=12))[0]
+    penalised = llm.generate(["la la la"], SamplingParams(temperature=0.0, max_tokens=12,
+                                                          repetition_penalty=5.0))[0]
+    assert len(set(penalised.token_ids)) >= len(set(plain.token_ids))
+    assert penalised.token_ids != plain.token_ids
