@@ -18,34 +18,29 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """cache [blocks, bs, kvh, d], block_table [B, max_blocks] -> [B, max_blocks * bs, kvh, d]"""
-    gathered = cache[block_table.long()]  # [B, max_blocks, bs, kvh, d]
-    return gathered.flatten(1, 2)
-
-
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
-    """q [B, heads, d]; one new query per sequence attending to its first seq_lens[b] tokens."""
+    """q [B, heads, d]; one new query per sequence attending to its first seq_lens[b] tokens.
+    The G query heads of a KV head are the G "query rows" of one SDPA problem (GQA)."""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_len = int(seq_lens.max()) if batch else 0
-    max_blocks = -(-max_len // k_cache.shape[1])
-    tables = block_tables[:, :max_blocks]
-    positions = torch.arange(max_len, device=q.device)
-    invalid = positions[None, :] >= seq_lens[:, None].to(positions.device)  # [B, L]
-    # slots past a sequence's length may hold anything (even NaN): zero them
-    keys = _gather_context(k_cache, tables)[:, :max_len].float()  # [B, L, kvh, d]
-    values = _gather_context(v_cache, tables)[:, :max_len].float()
-    keys = keys.masked_fill(invalid[:, :, None, None], 0.0)
-    values = values.masked_fill(invalid[:, :, None, None], 0.0)
-    qg = q.float().view(batch, num_kv_heads, group, head_dim)  # [B, kvh, G, d]
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * scale  # [B, kvh, G, L]
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, values)  # [B, kvh, G, d]
+    num_blocks = -(-int(seq_lens.max()) // block_size)
+    blocks = block_tables[:, :num_blocks].reshape(-1).long()
+    context = num_blocks * block_size
+    keys = k_cache.index_select(0, blocks).view(batch, context, num_kv_heads, head_dim)
+    values = v_cache.index_select(0, blocks).view(batch, context, num_kv_heads, head_dim)
+    invalid = (torch.arange(context, device=q.device)[None, :]
+               >= seq_lens[:, None].to(q.device))  # [B, L]
+    # slots past a sequence's end may hold anything (even NaN): zero just those rows
+    padding = invalid.view(-1).nonzero().squeeze(1)
+    keys.view(-1, num_kv_heads, head_dim).index_fill_(0, padding, 0.0)
+    values.view(-1, num_kv_heads, head_dim).index_fill_(0, padding, 0.0)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.view(batch, num_kv_heads, group, head_dim).to(keys.dtype),
+        keys.transpose(1, 2), values.transpose(1, 2),  # [B, kvh, L, d]
+        attn_mask=~invalid[:, None, None, :], scale=scale)  # [B, kvh, G, d]
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks and the protocol tools: throughput, kernels, serve, conformance."""

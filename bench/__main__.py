@@ -1,0 +1,24 @@
+"""python -m bench {throughput,kernels,serve,conformance} ..."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "throughput": "bench.throughput",
+    "kernels": "bench.kernels",
+    "serve": "bench.serve",
+    "conformance": "bench.conformance",
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: python -m bench {{{','.join(COMMANDS)}}} [options]", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,114 @@
+"""Offline throughput: this engine vs transformers `generate` on the same prompts.
+
+python -m bench throughput [--model PATH] [--num-prompts 64] [--output-len 128]
+    [--input-len 100 | --input-range 50:400] [--hf-batch-size 64] [--skip-hf]
+
+Both run greedy, same dtype, EOS ignored so every request produces --output-len tokens.
+transformers runs batched with left padding. The compute ceiling is measured here with a
+large fp32 matmul; the engine's fraction of it is model FLOPs per token x tokens/s over it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+
+def measure_matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    seconds = (time.perf_counter() - start) / repeats
+    return 2 * size ** 3 / seconds / 1e9
+
+
+def make_prompts(tokenizer, num: int, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = [i for i in range(tokenizer.vocab_size) if i not in tokenizer.all_special_ids]
+    return [[rng.choice(vocab[100:]) for _ in range(n)] for n in lengths[:num]]
+
+
+def run_engine(llm, prompts: list[list[int]], output_len: int) -> float:
+    from engine import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.token_ids) == output_len for o in outs)
+    return len(prompts) * output_len / elapsed
+
+
+def run_transformers(model_path: str, prompts: list[list[int]], output_len: int,
+                     batch_size: int, dtype: torch.dtype) -> float:
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    total = 0
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i:i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        total += (out.shape[1] - width) * len(batch)
+    return total / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench throughput")
+    parser.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=100)
+    parser.add_argument("--input-range", default=None, help="MIN:MAX uniform prompt lengths")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--result-json", default=None)
+    args = parser.parse_args(argv)
+
+    from engine import LLM
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              cache_bytes=1 << 30)
+    model_path = str(llm.engine.model_path)
+    rng = random.Random(args.seed)
+    if args.input_range:
+        low, high = map(int, args.input_range.split(":"))
+        lengths = [rng.randint(low, high) for _ in range(args.num_prompts)]
+    else:
+        lengths = [args.input_len] * args.num_prompts
+    prompts = make_prompts(llm.tokenizer, args.num_prompts, lengths, args.seed)
+    run_engine(llm, prompts[:2], 4)  # warm-up
+    engine_tps = run_engine(llm, prompts, args.output_len)
+    gflops = measure_matmul_gflops()
+    flops_per_token = llm.engine.arch.flops_per_token()
+    result = {
+        "model": llm.engine.model_name, "num_prompts": args.num_prompts,
+        "input_lens": f"{min(lengths)}-{max(lengths)}", "output_len": args.output_len,
+        "dtype": args.dtype, "engine_tok_s": round(engine_tps, 1),
+        "matmul_gflops": round(gflops, 1),
+        "engine_fraction_of_ceiling": round(engine_tps * flops_per_token / (gflops * 1e9), 3),
+    }
+    print(f"engine:        {engine_tps:8.1f} output tok/s")
+    if not args.skip_hf:
+        hf_tps = run_transformers(model_path, prompts, args.output_len, args.hf_batch_size,
+                                  llm.engine.config.torch_dtype)
+        result["transformers_tok_s"] = round(hf_tps, 1)
+        result["ratio"] = round(engine_tps / hf_tps, 2)
+        print(f"transformers:  {hf_tps:8.1f} output tok/s (batch {args.hf_batch_size})")
+        print(f"ratio:         {engine_tps / hf_tps:8.2f}x")
+    print(f"ceiling:       {gflops:8.1f} GFLOP/s fp32 matmul; {flops_per_token / 1e6:.0f} MFLOP "
+          f"per token -> engine at {result['engine_fraction_of_ceiling']:.1%} of it")
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
