@@ -1,0 +1,1 @@
+"""The aiohttp SSE server: schema, routes, app."""

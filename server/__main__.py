@@ -1,0 +1,77 @@
+"""python -m server [--model PATH] [--host 127.0.0.1] [--port 8000] [engine options]"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from engine import LLMEngine
+from engine.llm import build_config
+
+from .app import build_app, drain
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m server")
+    p.add_argument("--model", default=None, help="local HF folder (default: embedded SmolLM2)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--cache-bytes", type=int, default=512 * 1024 * 1024)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--sampler-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="waiting requests beyond this get HTTP 503 at once")
+    p.add_argument("--grace-period", type=float, default=10.0,
+                   help="seconds SIGTERM lets running streams finish")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config = build_config(
+        args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        num_blocks=args.num_blocks, cache_bytes=None if args.num_blocks else args.cache_bytes,
+        enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend, sampler_backend=args.sampler_backend,
+        load_format=args.load_format, seed=args.seed)
+    engine = LLMEngine(config)
+    app = build_app(engine, args.max_waiting)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    logging.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", engine.model_name,
+                 args.host, args.port, engine.kv_cache.num_blocks, engine.kv_cache.block_size)
+    print(f"READY http://{args.host}:{args.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logging.info("draining (grace period %.1f s)", args.grace_period)
+    await drain(app, args.grace_period)
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    asyncio.run(serve(parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Hosts the LLMEngine in a background thread; the event loop never runs a model step.
+
+New requests and aborts cross into the thread through a locked inbox and an Event (the
+thread sleeps while idle). Each engine step's GenerationSteps cross back in one
+call_soon_threadsafe per step, fanned out to per-request asyncio queues: no polling delay.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine import GenerationStep, InvalidRequestError, LLMEngine, SamplingParams
+
+log = logging.getLogger("server.engine")
+
+
+class OverloadedError(RuntimeError):
+    """More requests wait than --max-waiting allows."""
+
+
+@dataclass(frozen=True)
+class StreamFailure:
+    """Ends a stream without a completion: the engine failed, or the server shut down."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class _NewRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+StreamItem = GenerationStep | StreamFailure
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[_NewRequest] = []
+        self._aborts: list[str] = []
+        self._failures: list[StreamFailure] = []
+        self._queues: dict[str, asyncio.Queue[StreamItem]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_steps = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._queues)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._inbox) + self.engine.num_waiting
+
+    # ---- called on the event loop -------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate(prompt_token_ids, params)  # reads configuration only
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               arrival_time: float) -> AsyncIterator[StreamItem]:
+        """Validate, admit and enqueue; raises InvalidRequestError or OverloadedError before
+        anything is enqueued. Closing the returned iterator early aborts the request."""
+        self.validate(prompt_token_ids, params)
+        if self.num_waiting >= self.max_waiting:
+            raise OverloadedError(f"{self.num_waiting} requests are waiting "
+                                  f"(--max-waiting {self.max_waiting})")
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self._queues[request_id] = queue
+        with self._lock:
+            self._inbox.append(_NewRequest(request_id, prompt_token_ids, params, arrival_time))
+        self._wake.set()
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str,
+                      queue: asyncio.Queue[StreamItem]) -> AsyncIterator[StreamItem]:
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                finished = isinstance(item, StreamFailure) or item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # the consumer went away (client disconnect): free its blocks
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    def fail_all(self, code: str, message: str) -> None:
+        """End every active stream with an error event (used at shutdown)."""
+        with self._lock:
+            self._failures.append(StreamFailure(code, message))
+        self._wake.set()
+
+    def _dispatch(self, steps: list[GenerationStep], failure: StreamFailure | None,
+                  failed_ids: list[str]) -> None:
+        for step in steps:
+            queue = self._queues.get(step.request_id)
+            if queue is not None:
+                queue.put_nowait(step)
+        if failure is not None:
+            for request_id in failed_ids:
+                queue = self._queues.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(failure)
+
+    # ---- the engine thread --------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+                failures, self._failures = self._failures, []
+            rejected: list[str] = []
+            for new in inbox:
+                try:
+                    engine.add_request(new.prompt_token_ids, new.params, new.request_id,
+                                       new.arrival_time)
+                except InvalidRequestError as exc:  # checked before; kept for safety
+                    self._post([], StreamFailure("invalid_request", str(exc)),
+                               [new.request_id])
+                    rejected.append(new.request_id)
+            for request_id in aborts:
+                engine.abort(request_id)
+            if failures:
+                ended = [s.request_id for s in engine.abort_all()]
+                self._post([], failures[0], ended)
+                continue
+            if not engine.has_unfinished_requests():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                steps = engine.step()
+                self.num_steps += 1
+            except Exception as exc:  # noqa: BLE001 - any engine fault ends the affected streams
+                log.exception("engine step failed")
+                ended = [s.request_id for s in engine.abort_all()]
+                self._post([], StreamFailure("engine_error", f"{type(exc).__name__}: {exc}"),
+                           ended)
+                continue
+            self._post(steps, None, [])
+
+    def _post(self, steps: list[GenerationStep], failure: StreamFailure | None,
+              failed_ids: list[str]) -> None:
+        if self._loop is not None and (steps or failed_ids):
+            self._loop.call_soon_threadsafe(self._dispatch, steps, failure, failed_ids)
+
+
+def now() -> float:
+    return time.perf_counter()

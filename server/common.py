@@ -1,0 +1,111 @@
+"""Pieces every route shares: JSON errors, body parsing, SSE framing, request state."""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from engine import Completion, SamplingParams
+
+from .async_engine import AsyncEngine
+from .metrics import Metrics
+from .schema import SamplingFields, StreamDoneEvent
+
+
+class ApiError(Exception):
+    """Becomes an HTTP error with a JSON body, always before any SSE byte is sent."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+
+
+def error_body(code: str, message: str, param: str | None = None,
+               kind: str = "invalid_request_error") -> dict:
+    """One error shape for every route (OpenAI's): {"error": {message, type, param, code}}."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def json_error(status: int, code: str, message: str, param: str | None = None,
+               headers: dict | None = None) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return web.json_response(error_body(code, message, param, kind), status=status,
+                             headers=headers)
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    metrics: Metrics
+    model_name: str
+    draining: bool = False
+    streams: set = field(default_factory=set)
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
+    raw = await request.read()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid_json", "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                             for e in exc.errors())
+        raise ApiError(400, "invalid_request", problems, param) from None
+
+
+def sampling_params(body: SamplingFields, logprobs: int | None,
+                    max_tokens: int | None = None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, seed=body.seed,
+            max_tokens=max_tokens or body.max_tokens, min_tokens=body.min_tokens,
+            stop=body.stop or (), stop_token_ids=body.stop_token_ids or (),
+            ignore_eos=body.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            logit_bias=body.logit_bias or {}, skip_special_tokens=body.skip_special_tokens)
+    except ValueError as exc:
+        raise ApiError(400, "invalid_request", str(exc), str(exc).split(" ")[0]) from None
+
+
+def done_event(done: Completion) -> StreamDoneEvent:
+    t = done.timing
+    return StreamDoneEvent(
+        finish_reason=done.reason.value, prompt_tokens=done.prompt_tokens,
+        output_tokens=done.output_tokens, text=done.tail_text,
+        ttft_ms=t.ttft_s * 1000, total_ms=t.total_s * 1000,
+        queue_wait_ms=t.queue_wait_s * 1000, execution_ms=t.execution_s * 1000,
+        tokens_per_s=done.output_tokens / t.total_s if t.total_s > 0 else 0.0)
+
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+async def open_sse(request: web.Request, request_id: str) -> web.StreamResponse:
+    response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": request_id})
+    await response.prepare(request)
+    return response
+
+
+async def send_sse(response: web.StreamResponse, payload: dict | str) -> None:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    await response.write(f"data: {data}\n\n".encode())

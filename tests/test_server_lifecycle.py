@@ -1,0 +1,89 @@
+"""`python -m server` as a real process: SIGTERM drains, then ends streams with an error."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.server_util import request, sse_payloads
+from tests.test_server import free_port, validate_native
+
+
+def start_server(model: str, *extra: str) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--model", model, "--port",
+                             str(port), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("READY"):
+            return proc, port
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError("server did not start")
+
+
+@pytest.mark.slow
+def test_sigterm_ends_streams_still_running_after_the_grace_period(tiny_model):
+    import threading
+    # one sequence at a time: the second stream cannot finish within the 0.2 s grace period
+    proc, port = start_server(tiny_model, "--grace-period", "0.2", "--max-num-seqs", "1")
+    try:
+        body = {"prompt": "long", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        results = {}
+
+        def client(name):
+            results[name] = request(port, "POST", "/generate", body)
+
+        threads = [threading.Thread(target=client, args=(n,)) for n in ("a", "b")]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        ends = []
+        for name in ("a", "b"):
+            status, _, raw = results[name]
+            events = validate_native(sse_payloads(raw))
+            ends.append(events[-1].type if events[-1].type == "done" else events[-1].code)
+        assert "shutting_down" in ends, ends
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_grace_period_lets_streams_complete(tiny_model):
+    proc, port = start_server(tiny_model, "--grace-period", "20")
+    try:
+        import threading
+        results = {}
+
+        def client():
+            results["r"] = request(port, "POST", "/generate", {
+                "prompt": "short", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+                "stream": True})
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        thread.join(60)
+        status, _, raw = results["r"]
+        events = validate_native(sse_payloads(raw))
+        assert events[-1].type == "done" and events[-1].output_tokens == 60
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
