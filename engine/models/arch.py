@@ -89,10 +89,11 @@ class ModelArch:
         return self.num_layers * per_layer + embed + h
 
     def flops_per_token(self) -> float:
-        """Matmul FLOPs of one token through the weights (2 x non-embedding params + lm_head)."""
-        h = self.hidden_size
-        embed_lookup = self.vocab_size * h  # a gather, not a matmul
-        return 2.0 * (self.num_params - embed_lookup - h)
+        """Matmul FLOPs of one output token: 2 x (the layers' weights + the lm_head), the
+        embedding lookup being a gather, not a matmul; attention over the context excluded."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        return 2.0 * (self.num_layers * (attn + 3 * h * i) + self.vocab_size * h)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.finfo(dtype).bits // 8

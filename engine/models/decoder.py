@@ -23,6 +23,22 @@ class ForwardContext:
     backend: AttentionBackend
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T. On the CPU, for the skinny M of a decode batch, BLAS runs
+    (W @ x^T)^T 20-35 % faster than x @ W^T (measured here at M=64 for every projection of
+    SmolLM2, copy back to row-major included)."""
+    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= 512:
+        out = torch.mm(weight, x.t()).t().contiguous()
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -65,9 +81,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         self.qk_norm = arch.qk_norm
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
@@ -92,8 +108,8 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -122,7 +138,7 @@ class DecoderForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rope = RotaryEmbedding(arch, max_positions)
         if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -135,4 +151,4 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab]"""
         weight = self.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return linear(hidden, weight)
