@@ -1,0 +1,34 @@
+"""Small async HTTP helpers shared by the conformance checks."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import aiohttp
+
+
+@dataclass
+class Reply:
+    status: int
+    content_type: str
+    raw: bytes
+
+    @property
+    def payloads(self) -> list[str]:
+        out = []
+        for frame in self.raw.decode(errors="replace").split("\n\n"):
+            for line in frame.split("\n"):
+                if line.startswith("data:"):
+                    out.append(line[5:].strip())
+        return out
+
+    def json(self):
+        return json.loads(self.raw)
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict | bytes) -> Reply:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with session.post(url, data=data,
+                            headers={"Content-Type": "application/json"}) as response:
+        raw = await response.read()
+        return Reply(response.status, response.headers.get("Content-Type", ""), raw)

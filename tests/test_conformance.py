@@ -1,0 +1,122 @@
+"""The conformance suite against the project's own server (it must pass) and against
+deliberately broken servers (the right check must fail)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from bench.conformance import run_checks
+from engine import LLMEngine, SamplingParams
+from engine.llm import build_config
+from tests.fake_server import FakeServer
+from tests.server_util import ServerThread
+from tests.tiny_models import with_eos
+
+
+@pytest.fixture(scope="module")
+def own_server(tiny_model, tmp_path_factory):
+    """The tiny model, with EOS set to what greedy decoding samples 5th after "Hello", so
+    the EOS checks have something to find (same weights, real engine path)."""
+    engine = LLMEngine(build_config(tiny_model))
+    rid = engine.add_request("Hello", SamplingParams(temperature=0.0, max_tokens=12,
+                                                     ignore_eos=True))
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [s.token.token_id for s in engine.step() if s.request_id == rid]
+    k = next(i for i in range(4, len(tokens)) if tokens[i] not in tokens[:i])
+    folder = with_eos(Path(tiny_model), tmp_path_factory.mktemp("conf") / "m", tokens[k])
+    srv = ServerThread(LLMEngine(build_config(str(folder))))
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("api", ["native", "openai"])
+def test_own_server_passes(own_server, api):
+    results = asyncio.run(run_checks(own_server.url, api))
+    failed = [(r.name, r.evidence) for r in results if r.status == "fail"]
+    assert not failed, failed
+    skipped = [r.name for r in results if r.status == "skip"]
+    assert not skipped, f"checks that found nothing to test: {skipped}"
+
+
+def test_cli_exit_status_and_json(own_server, tmp_path):
+    out = tmp_path / "conf.json"
+    proc = subprocess.run([sys.executable, "-m", "bench", "conformance", "--base-url",
+                           own_server.url, "--only", "plain_stream", "max_tokens_1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS  plain_stream" in proc.stdout
+    assert [r["status"] for r in json.loads(out.read_text())] == ["pass", "pass"]
+
+
+class FakeThread:
+    def __init__(self, fault):
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run():
+            asyncio.set_event_loop(self.loop)
+            self.runner = web.AppRunner(FakeServer(fault).app)
+            self.loop.run_until_complete(self.runner.setup())
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            self.loop.run_until_complete(site.start())
+            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def failures(fault, api="native"):
+    fake = FakeThread(fault)
+    try:
+        results = asyncio.run(run_checks(fake.url, api))
+    finally:
+        fake.stop()
+    return {r.name: r.evidence for r in results if r.status == "fail"}
+
+
+def test_fault_free_fake_passes_everything():
+    assert failures(None) == {}
+    assert failures(None, "openai") == {}
+
+
+# (fault, the check that must fail, a word its evidence must contain, isolated?)
+FAULTS = [
+    ("skipped_index", "plain_stream", "skipped", False),
+    ("missing_done", "plain_stream", "without a terminal", False),
+    ("count_mismatch", "output_tokens_match_events", "output_tokens", False),
+    ("event_after_done", "plain_stream", "after the terminal", False),
+    ("error_as_200_sse", "invalid_bodies", "HTTP 200", True),
+    ("held_back_last_token", "length_counts_every_token", "held back", False),
+]
+
+
+@pytest.mark.parametrize("fault,check,evidence,isolated", FAULTS, ids=[f[0] for f in FAULTS])
+def test_broken_server_fails_the_right_check(fault, check, evidence, isolated):
+    failed = failures(fault)
+    assert check in failed, f"{check} passed against a server with {fault}: {failed}"
+    assert evidence in failed[check]
+    if isolated:
+        assert set(failed) == {check}
+
+
+def test_missing_done_sentinel_fails_openai_framing_only_on_that_route():
+    failed = failures("no_done_sentinel", "openai")
+    assert "openai_completions_framing" in failed
+    assert "[DONE]" in failed["openai_completions_framing"]
+    assert failures("no_done_sentinel", "native") == {}
