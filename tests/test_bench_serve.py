@@ -1,0 +1,55 @@
+"""python -m bench serve end to end against the project's server on the tiny model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.server_util import ServerThread
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    from engine import LLMEngine
+    from engine.llm import build_config
+    srv = ServerThread(LLMEngine(build_config(tiny_model)))
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint", ["native", "completions", "chat"])
+def test_bench_serve_end_to_end(server, tiny_model, tmp_path, endpoint):
+    result = tmp_path / "result.json"
+    plot = tmp_path / "latency.png"
+    cmd = [sys.executable, "-m", "bench", "serve", "--base-url", server.url, "--endpoint",
+           endpoint, "--num-prompts", "12", "--max-concurrency", "4", "--input-len", "20",
+           "--output-len", "10", "--tokenizer", tiny_model, "--seed", "3",
+           "--goodput", "ttft:5000", "tpot:1000", "--result-json", str(result)]
+    if endpoint == "native":
+        cmd += ["--plot", str(plot)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(result.read_text())
+    summary = data["summary"]
+    assert summary["completed"] == 12 and summary["protocol_errors"] == 0
+    assert summary["failed"] == 0
+    for record in data["requests"]:
+        assert record["protocol_error"] is None
+        assert record["output_tokens"] == 10  # ignore_eos: exactly as asked
+        assert record["client_output_tokens"] == record["output_tokens"] or endpoint == "chat"
+    assert summary["total_output_tokens"] == 120
+    assert summary["goodput"]["requests_per_s"] > 0
+    assert "Output token throughput" in proc.stdout
+    if endpoint == "native":
+        assert plot.stat().st_size > 1000
+
+
+def test_poisson_arrivals_are_repeatable():
+    from bench.workload import arrival_gaps, random_requests
+    assert arrival_gaps(5, 2.0, 7) == arrival_gaps(5, 2.0, 7)
+    assert arrival_gaps(3, None, 7) == [0.0] * 3
+    a = random_requests(3, 8, 4, seed=1)
+    assert a == random_requests(3, 8, 4, seed=1) and len(a[0].prompt.split()) == 8
