@@ -14,11 +14,11 @@ CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32
             9: 27.88, 10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70}
 
 
-def params(batch, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed0=0):
-    return (torch.full((batch,), float(temperature)),
-            torch.full((batch,), top_k, dtype=torch.int32),
-            torch.full((batch,), float(top_p)), torch.full((batch,), float(min_p)),
-            torch.arange(seed0, seed0 + batch, dtype=torch.int64) * 7919 + 13)
+def params(batch, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed0=0, device="cpu"):
+    return tuple(t.to(device) for t in (
+        torch.full((batch,), float(temperature)), torch.full((batch,), top_k, dtype=torch.int32),
+        torch.full((batch,), float(top_p)), torch.full((batch,), float(min_p)),
+        torch.arange(seed0, seed0 + batch, dtype=torch.int64) * 7919 + 13))
 
 
 def expected_distribution(logits, temperature, top_k, top_p, min_p):
@@ -41,11 +41,12 @@ def expected_distribution(logits, temperature, top_k, top_p, min_p):
 
 
 @pytest.mark.parametrize("name", SAMPLERS)
-def test_greedy_is_exact_argmax(name):
+def test_greedy_is_exact_argmax(name, device):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(37, 300, generator=gen)
     logits[3, 10] = logits[3, 11] = logits[3].max() + 1  # a tie: the first index wins
-    tokens = SAMPLERS[name](logits, *params(37, temperature=0.0, top_k=5, top_p=0.5))
+    tokens = SAMPLERS[name](logits.to(device), *params(37, temperature=0.0, top_k=5, top_p=0.5,
+                                                      device=device)).cpu()
     assert torch.equal(tokens, logits.argmax(dim=-1))
     assert int(tokens[3]) == 10
 
@@ -63,12 +64,14 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SAMPLERS)
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", CASES)
-def test_samples_follow_renormalised_distribution(name, temperature, top_k, top_p, min_p):
+def test_samples_follow_renormalised_distribution(name, temperature, top_k, top_p, min_p,
+                                                  device):
     vocab, draws = 16, 2000
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(5)) * 1.5
     target, keep = expected_distribution(logits, temperature, top_k, top_p, min_p)
     batch = logits.expand(draws, vocab).contiguous()
-    tokens = SAMPLERS[name](batch, *params(draws, temperature, top_k, top_p, min_p))
+    tokens = SAMPLERS[name](batch.to(device), *params(draws, temperature, top_k, top_p, min_p,
+                                                       device=device)).cpu()
     assert bool(keep[tokens].all()), f"sampled a masked token: {set(tokens[~keep[tokens]].tolist())}"
     counts = torch.bincount(tokens, minlength=vocab).double()
     kept = keep.nonzero().squeeze(1)
@@ -80,9 +83,9 @@ def test_samples_follow_renormalised_distribution(name, temperature, top_k, top_
 
 
 @pytest.mark.parametrize("name", SAMPLERS)
-def test_same_seeds_same_tokens_and_rows_independent(name):
-    logits = torch.randn(24, 200, generator=torch.Generator().manual_seed(2))
-    args = params(24, temperature=1.0, top_k=50, top_p=0.95)
+def test_same_seeds_same_tokens_and_rows_independent(name, device):
+    logits = torch.randn(24, 200, generator=torch.Generator().manual_seed(2)).to(device)
+    args = params(24, temperature=1.0, top_k=50, top_p=0.95, device=device)
     first = SAMPLERS[name](logits, *args)
     again = SAMPLERS[name](logits, *args)
     assert torch.equal(first, again)

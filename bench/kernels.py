@@ -1,0 +1,168 @@
+"""Kernel microbenchmarks: each Triton kernel against its torch reference (and decode
+attention against SDPA on a contiguous cache), with triton.testing.do_bench medians on CUDA.
+
+python -m bench kernels [--peak-gbps 4300] [--batch 64] [--context 4096] [--heads 32]
+    [--kv-heads 8] [--head-dim 128] [--dtype bfloat16] [--block-size 16]
+    [--sample-batch 128] [--vocab 128256] [--json PATH]
+
+Without CUDA it times the torch paths only (smaller default shapes), and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import kernels
+from kernels import reference
+
+
+def timer(device: str):
+    if device == "cuda":
+        import triton.testing
+
+        def run(fn):
+            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return run
+
+    def run_cpu(fn):
+        fn()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1000)
+        return statistics.median(times)
+    return run_cpu
+
+
+def paged_cache(args, device, dtype):
+    blocks_per_seq = -(-args.context // args.block_size)
+    num_blocks = args.batch * blocks_per_seq + 8
+    shape = (num_blocks, args.block_size, args.kv_heads, args.head_dim)
+    k_cache = torch.randn(shape, device=device, dtype=dtype)
+    v_cache = torch.randn(shape, device=device, dtype=dtype)
+    tables = torch.randperm(num_blocks, device=device)[:args.batch * blocks_per_seq]
+    tables = tables.view(args.batch, blocks_per_seq).int()
+    seq_lens = torch.full((args.batch,), args.context, dtype=torch.int32, device=device)
+    return k_cache, v_cache, tables, seq_lens
+
+
+def bench_all(args) -> list[dict]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    measure = timer(device)
+    elem = torch.finfo(dtype).bits // 8
+    rows = []
+
+    def add(name, impl, ms, nbytes, flops=None):
+        gbps = nbytes / ms / 1e6
+        row = {"kernel": name, "impl": impl, "ms": round(ms, 4), "GB/s": round(gbps, 1),
+               "peak_fraction": round(gbps / args.peak_gbps, 3)}
+        if flops:
+            row["TFLOP/s"] = round(flops / ms / 1e9, 2)
+        rows.append(row)
+
+    k_cache, v_cache, tables, seq_lens = paged_cache(args, device, dtype)
+    q = torch.randn(args.batch, args.heads, args.head_dim, device=device, dtype=dtype)
+    scale = args.head_dim ** -0.5
+    kv_bytes = 2 * args.batch * args.context * args.kv_heads * args.head_dim * elem
+    if device == "cuda":
+        add("decode_attention", "triton", measure(lambda: kernels.paged_decode_attention(
+            q, k_cache, v_cache, tables, seq_lens, scale, max_seq_len=args.context)),
+            kv_bytes)
+    add("decode_attention", "torch reference", measure(
+        lambda: reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens,
+                                                 scale)), kv_bytes)
+    k_dense = torch.randn(args.batch, args.kv_heads, args.context, args.head_dim,
+                          device=device, dtype=dtype)
+    v_dense = torch.randn_like(k_dense)
+    q_dense = q.view(args.batch, args.kv_heads, args.heads // args.kv_heads, args.head_dim)
+    add("decode_attention", "SDPA, contiguous cache", measure(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q_dense, k_dense, v_dense)),
+        kv_bytes)
+    del k_dense, v_dense
+
+    chunk = min(args.context, 1024)
+    prefill_seqs = max(1, min(args.batch, 8))
+    qp = torch.randn(prefill_seqs * chunk, args.heads, args.head_dim, device=device,
+                     dtype=dtype)
+    cu = torch.arange(0, prefill_seqs + 1, device=device, dtype=torch.int32) * chunk
+    lens = seq_lens[:prefill_seqs]
+    flops = 4 * prefill_seqs * args.heads * args.head_dim * (
+        chunk * (args.context - chunk) + chunk * chunk / 2)
+    pbytes = 2 * prefill_seqs * args.context * args.kv_heads * args.head_dim * elem
+    if device == "cuda":
+        add("prefill_attention", "triton", measure(lambda: kernels.paged_prefill_attention(
+            qp, k_cache, v_cache, tables[:prefill_seqs], cu, lens, scale, max_q_len=chunk)),
+            pbytes, flops)
+    add("prefill_attention", "torch reference", measure(
+        lambda: reference.paged_prefill_attention(qp, k_cache, v_cache, tables[:prefill_seqs],
+                                                  cu, lens, scale)), pbytes, flops)
+
+    tokens = args.batch * 16
+    k_new = torch.randn(tokens, args.kv_heads, args.head_dim, device=device, dtype=dtype)
+    slots = torch.randperm(k_cache.shape[0] * args.block_size, device=device)[:tokens]
+    wbytes = 2 * 2 * tokens * args.kv_heads * args.head_dim * elem
+    if device == "cuda":
+        add("store_kv_cache", "triton", measure(lambda: kernels.store_kv_cache(
+            k_new, k_new, k_cache, v_cache, slots)), wbytes)
+    add("store_kv_cache", "torch reference", measure(lambda: reference.store_kv_cache(
+        k_new, k_new, k_cache, v_cache, slots)), wbytes)
+    del k_cache, v_cache
+
+    logits = torch.randn(args.sample_batch, args.vocab, device=device)
+    b = args.sample_batch
+    params = (torch.full((b,), 0.8, device=device),
+              torch.full((b,), 50, dtype=torch.int32, device=device),
+              torch.full((b,), 0.9, device=device), torch.zeros(b, device=device),
+              torch.arange(b, device=device))
+    sbytes = b * args.vocab * 4
+    if device == "cuda":
+        add("sample top-k 50 + top-p 0.9", "triton", measure(
+            lambda: kernels.sample(logits, *params)), sbytes)
+    add("sample top-k 50 + top-p 0.9", "torch reference (sort)", measure(
+        lambda: reference.sample(logits, *params)), sbytes)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench kernels")
+    cuda = torch.cuda.is_available()
+    p.add_argument("--peak-gbps", type=float, default=4300.0,
+                   help="bandwidth to compare against (H200 copy: about 4300)")
+    p.add_argument("--batch", type=int, default=64 if cuda else 8)
+    p.add_argument("--context", type=int, default=4096 if cuda else 512)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16" if cuda else "float32")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--sample-batch", type=int, default=128 if cuda else 16)
+    p.add_argument("--vocab", type=int, default=128256 if cuda else 32000)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if not cuda:
+        print("no CUDA device: timing the torch reference paths only, at CPU-sized shapes")
+    rows = bench_all(args)
+    print(f"{'kernel':<30}{'impl':<26}{'ms':>10}{'GB/s':>10}{'of peak':>9}")
+    for r in rows:
+        print(f"{r['kernel']:<30}{r['impl']:<26}{r['ms']:>10.4f}{r['GB/s']:>10.1f}"
+              f"{r['peak_fraction']:>9.1%}" + (f"  {r['TFLOP/s']} TFLOP/s"
+                                                if "TFLOP/s" in r else ""))
+    by_kernel: dict[str, dict[str, float]] = {}
+    for r in rows:
+        by_kernel.setdefault(r["kernel"], {})[r["impl"]] = r["ms"]
+    for kernel, impls in by_kernel.items():
+        if "triton" in impls:
+            others = {k: v / impls["triton"] for k, v in impls.items() if k != "triton"}
+            print(f"{kernel}: triton speed-up " + ", ".join(f"{v:.2f}x vs {k}"
+                                                             for k, v in others.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu",
+                       "args": vars(args), "rows": rows}, f, indent=2)
+    return 0
