@@ -114,10 +114,10 @@ def test_bucketed_decode_attention_matches_reference():
     from engine.attention import bucketed_decode_attention
     from kernels import reference
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(200, 16, 2, 64, generator=gen)
-    v_cache = torch.randn(200, 16, 2, 64, generator=gen)
+    k_cache = torch.randn(400, 16, 2, 64, generator=gen)
+    v_cache = torch.randn(400, 16, 2, 64, generator=gen)
     seq_lens = torch.randint(1, 150, (40,), generator=gen, dtype=torch.int32)
-    tables = torch.randperm(200, generator=gen)[:40 * 10].view(40, 10).int()
+    tables = torch.randperm(400, generator=gen).view(40, 10).int()
     q = torch.randn(40, 8, 64, generator=gen)
     torch.testing.assert_close(
         bucketed_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125),
