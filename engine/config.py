@@ -20,7 +20,7 @@ class CacheConfig:
 
     block_size: int = 16
     num_blocks: int | None = None
-    cache_bytes: int | None = 256 * 1024 * 1024
+    cache_bytes: int | None = 1024 * 1024 * 1024
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

@@ -24,7 +24,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--cache-bytes", type=int, default=512 * 1024 * 1024)
+    p.add_argument("--cache-bytes", type=int, default=1024 * 1024 * 1024,
+                   help="KV cache size, all layers (ignored with --num-blocks)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
