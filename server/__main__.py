@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
+import threading
 
 from aiohttp import web
 
@@ -13,6 +14,7 @@ from engine import LLMEngine
 from engine.llm import build_config
 
 from .app import build_app, drain
+from .common import STATE
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -41,36 +43,60 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    config = build_config(
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    return LLMEngine(build_config(
         args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         num_blocks=args.num_blocks, cache_bytes=None if args.num_blocks else args.cache_bytes,
         enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, sampler_backend=args.sampler_backend,
-        load_format=args.load_format, seed=args.seed)
-    engine = LLMEngine(config)
-    app = build_app(engine, args.max_waiting)
+        load_format=args.load_format, seed=args.seed))
+
+
+async def serve_http(app: web.Application, args: argparse.Namespace,
+                     stop: asyncio.Event) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
+    engine = app[STATE].engine.engine
     logging.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", engine.model_name,
                  args.host, args.port, engine.kv_cache.num_blocks, engine.kv_cache.block_size)
     print(f"READY http://{args.host}:{args.port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logging.info("draining (grace period %.1f s)", args.grace_period)
     await drain(app, args.grace_period)
-    await runner.cleanup()
+    await runner.cleanup()  # stops the engine loop on the main thread
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The engine steps on the main thread (see server/async_engine.py); the event loop runs
+    in a second thread. SIGTERM / SIGINT start the drain."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    asyncio.run(serve(parse_args(argv)))
+    args = parse_args(argv)
+    app = build_app(build_engine(args), args.max_waiting, engine_thread=False)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    failure: list[BaseException] = []
+
+    def run_loop() -> None:
+        try:
+            loop.run_until_complete(serve_http(app, args, stop))
+        except BaseException as exc:  # noqa: BLE001 - reported on the main thread
+            failure.append(exc)
+            app[STATE].engine.stop()
+
+    def on_signal(signum, frame) -> None:
+        loop.call_soon_threadsafe(stop.set)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    http_thread = threading.Thread(target=run_loop, name="http", daemon=True)
+    http_thread.start()
+    app[STATE].engine.run()
+    http_thread.join(timeout=30)
+    if failure:
+        raise failure[0]
     return 0
 
 

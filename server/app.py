@@ -53,14 +53,18 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": state.metrics.content_type})
 
 
-def build_app(engine: LLMEngine, max_waiting: int = 256) -> web.Application:
+def build_app(engine: LLMEngine, max_waiting: int = 256,
+              engine_thread: bool = True) -> web.Application:
+    """engine_thread=False leaves stepping the engine to the caller (AsyncEngine.run())."""
     async_engine = AsyncEngine(engine, max_waiting)
     app = web.Application(middlewares=[json_errors], client_max_size=16 * 1024 * 1024)
     app[STATE] = ServerState(engine=async_engine, metrics=Metrics(async_engine),
                              model_name=engine.model_name)
 
     async def start_engine(app: web.Application) -> None:
-        app[STATE].engine.start()
+        app[STATE].engine.bind_loop(asyncio.get_running_loop())
+        if engine_thread:
+            app[STATE].engine.start_thread()
 
     async def stop_engine(app: web.Application) -> None:
         app[STATE].engine.stop()
