@@ -9,16 +9,17 @@ out=${OUT:-results}
 mkdir -p "$out"
 model=$($py -c "from engine.default_model import default_model_path; print(default_model_path())")
 port=${PORT:-8123}
-$py -m server --port "$port" --max-num-seqs 64 > "$out/server.log" 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null || true' EXIT
-until grep -q READY "$out/server.log"; do sleep 1; done
 for c in 16 64; do
+  # a fresh server each time: the same prompts must not hit the previous run's prefix cache
+  $py -m server --port "$port" --max-num-seqs 64 > "$out/server_c$c.log" 2>&1 &
+  server=$!
+  trap 'kill $server 2>/dev/null || true' EXIT
+  until grep -q READY "$out/server_c$c.log"; do sleep 1; done
   $py -m bench serve --base-url "http://127.0.0.1:$port" --endpoint native --num-prompts 64 \
     --max-concurrency "$c" --input-len 100 --output-len 128 --tokenizer "$model" --seed 0 \
     --result-json "$out/serve_c$c.json" | tee "$out/serve_c$c.txt"
+  kill $server; wait $server 2>/dev/null || true
 done
-kill $server; wait $server 2>/dev/null || true
 for c in 16 64; do
   $py -m bench throughput --skip-hf --num-prompts 64 --input-len 100 --output-len 128 \
     --max-num-seqs "$c" --result-json "$out/offline_c$c.json" | tee "$out/offline_c$c.txt"
