@@ -8,6 +8,7 @@ import torch
 
 from .attention import AttentionMetadata, make_attention_backend
 from .config import EngineConfig
+from .cpu_allocator import keep_buffers_on_heap
 from .models import ForwardContext, ModelArch, build_model
 from .request import Request
 from .sampler import SampledToken, Sampler
@@ -40,6 +41,8 @@ class ModelRunner:
         self.config = config
         self.arch = arch
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_buffers_on_heap()
         self.block_size = config.cache.block_size
         self.model = build_model(arch, folder, config.torch_dtype, self.device, max_model_len,
                                  dummy=config.load_format == "dummy", seed=config.seed)

@@ -62,15 +62,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if q_len == 0:
             continue
         blocks = block_tables[s, :-(-seq_len // block_size)].long()
-        keys = k_cache[blocks].flatten(0, 1)[:seq_len].float()  # [L, kvh, d]
-        values = v_cache[blocks].flatten(0, 1)[:seq_len].float()
-        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, d]
-        values = values.repeat_interleave(group, dim=1).transpose(0, 1)
+        keys = k_cache[blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)  # [kvh, L, d]
+        values = v_cache[blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)
         qs = q[q_start:q_end].float().transpose(0, 1)  # [heads, q_len, d]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, L]
-        attn = torch.nn.functional.scaled_dot_product_attention(
-            qs, keys, values, attn_mask=mask, scale=scale)  # [heads, q_len, d]
+        if q_len == seq_len:  # no cached prefix: plain causal attention
+            mask, causal = None, True
+        else:  # query i sits at position seq_len - q_len + i
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            causal = False
+        attn = torch.nn.functional.scaled_dot_product_attention(  # 4-D takes the fast path
+            qs[None], keys[None], values[None], attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=group > 1)[0]  # [heads, q_len, d]
         out[q_start:q_end] = attn.transpose(0, 1).to(q.dtype)
     return out
 
