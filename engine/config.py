@@ -24,8 +24,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64):
-            raise ValueError(f"block_size must be 8, 16, 32 or 64, got {self.block_size}")
+        if self.block_size not in (16, 32):  # what the kernels are tested with
+            raise ValueError(f"block_size must be 16 or 32, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.num_blocks is None and (self.cache_bytes is None or self.cache_bytes <= 0):

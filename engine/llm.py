@@ -42,8 +42,11 @@ class LLM:
             raise ValueError(f"params must be one SamplingParams or one per prompt "
                              f"({len(prompts)}), got {len(params)}")
         engine = self.engine
-        ids = [engine.add_request(p if isinstance(p, str) else list(p), sp)
-               for p, sp in zip(prompts, params)]
+        prompt_ids = [engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+        for token_ids, sp in zip(prompt_ids, params):  # all valid, or nothing is enqueued
+            engine.validate(token_ids, sp)
+        ids = [engine.add_request(token_ids, sp) for token_ids, sp in zip(prompt_ids, params)]
+        position = {request_id: i for i, request_id in enumerate(ids)}
         tokens: dict[str, list[TokenOutput]] = {i: [] for i in ids}
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):
@@ -51,17 +54,18 @@ class LLM:
                 if step.token is not None:
                     tokens[step.request_id].append(step.token)
                 if step.completion is not None:
-                    results[step.request_id] = self._output(step, tokens[step.request_id],
-                                                            prompts[ids.index(step.request_id)],
-                                                            params[ids.index(step.request_id)])
+                    i = position[step.request_id]
+                    results[step.request_id] = self._output(
+                        step, tokens[step.request_id], prompts[i], prompt_ids[i], params[i])
         return [results[i] for i in ids]
 
-    def _output(self, step, tokens: list[TokenOutput], prompt, params) -> RequestOutput:
+    @staticmethod
+    def _output(step, tokens: list[TokenOutput], prompt, prompt_ids: list[int],
+                params: SamplingParams) -> RequestOutput:
         done = step.completion
-        prompt_text = prompt if isinstance(prompt, str) else None
-        prompt_ids = (self.engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt))
         return RequestOutput(
-            request_id=step.request_id, prompt=prompt_text, prompt_token_ids=prompt_ids,
+            request_id=step.request_id, prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=prompt_ids,
             token_ids=[t.token_id for t in tokens],
             text="".join(t.text for t in tokens) + done.tail_text,
             finish_reason=done.reason,

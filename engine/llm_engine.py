@@ -43,8 +43,6 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._pending_aborts: list[str] = []
         self._ids = itertools.count()
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
 
     # ---- public API ----------------------------------------------------------------------
     @property
@@ -156,7 +154,6 @@ class LLMEngine:
             return self._finish(request, reason, now, drained.matched, drained.text)
 
         request.token_ids.append(token_id)
-        self.num_generated_tokens += 1
         check = request.stop_matcher.feed(request.detokenizer.add_token(token_id))
         text, reason, matched = check.text, None, check.matched
         if matched is not None:
@@ -187,7 +184,6 @@ class LLMEngine:
                 matched: str | int | None = None, tail: str = "") -> GenerationStep:
         self.scheduler.remove(request)
         del self._requests[request.request_id]
-        self.num_prompt_tokens += request.num_prompt_tokens
         timing = RequestTiming(
             arrival=request.arrival_time,
             first_scheduled=request.first_scheduled_time or now,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -42,7 +42,6 @@ class ServerState:
     metrics: Metrics
     model_name: str
     draining: bool = False
-    streams: set = field(default_factory=set)
 
 
 STATE = web.AppKey("state", ServerState)

@@ -128,3 +128,14 @@ def test_rejects_requests_that_can_never_run(tiny_model):
     with pytest.raises(InvalidRequestError, match="prompt"):
         engine.add_request([], SamplingParams())
     assert not engine.has_unfinished_requests()
+
+
+def test_offline_generate_enqueues_nothing_when_one_prompt_is_invalid(tiny_model):
+    from engine import LLM, InvalidRequestError
+    llm = LLM(tiny_model)
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        llm.generate(["fine", "also fine", "too long"],
+                     [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4),
+                      SamplingParams(max_tokens=10_000)])
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(["fine"], SamplingParams(max_tokens=3))[0].token_ids) <= 3
