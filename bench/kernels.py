@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if not cuda:
+        from engine.cpu_allocator import keep_buffers_on_heap
+        keep_buffers_on_heap()  # as the engine does on the CPU
         print("no CUDA device: timing the torch reference paths only, at CPU-sized shapes")
     rows = bench_all(args)
     print(f"{'kernel':<30}{'impl':<26}{'ms':>10}{'GB/s':>10}{'of peak':>9}")
