@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from engine import Completion, SamplingParams
+from engine import Completion, FinishReason, SamplingParams
 
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, StreamFailure, StreamItem
 from .metrics import Metrics
-from .schema import SamplingFields, StreamDoneEvent
+from .schema import SamplingFields, StreamDoneEvent, StreamErrorEvent
 
 
 class ApiError(Exception):
@@ -93,6 +93,23 @@ def done_event(done: Completion) -> StreamDoneEvent:
         ttft_ms=t.ttft_s * 1000, total_ms=t.total_s * 1000,
         queue_wait_ms=t.queue_wait_s * 1000, execution_ms=t.execution_s * 1000,
         tokens_per_s=done.output_tokens / t.total_s if t.total_s > 0 else 0.0)
+
+
+def failure_of(item: StreamItem) -> StreamErrorEvent | None:
+    """The error event for an item that ends a stream without a result (engine failure,
+    shutdown, abort); None for a normal step."""
+    if isinstance(item, StreamFailure):
+        return StreamErrorEvent(code=item.code, message=item.message)
+    if item.completion is not None and item.completion.reason is FinishReason.ABORT:
+        return StreamErrorEvent(code="aborted", message="the request was aborted")
+    return None
+
+
+def failure_response(failure: StreamErrorEvent, request_id: str) -> web.Response:
+    """Non-streaming answers never report a failure under HTTP 200."""
+    status = 503 if failure.code == "shutting_down" else 500
+    return json_error(status, failure.code, failure.message,
+                      headers={"X-Request-Id": request_id})
 
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from engine import FinishReason
-
-from .async_engine import StreamFailure, now
-from .common import (STATE, ApiError, done_event, json_error, new_request_id, open_sse,
-                     parse_body, sampling_params, send_sse)
-from .schema import GenerateRequest, StreamErrorEvent, StreamTokenEvent, TokenLogprobs
+from .async_engine import now
+from .common import (STATE, ApiError, done_event, failure_of, failure_response,
+                     new_request_id, open_sse, parse_body, sampling_params, send_sse)
+from .schema import GenerateRequest, StreamTokenEvent, TokenLogprobs
 
 
 def token_event(token) -> StreamTokenEvent:
@@ -18,12 +16,6 @@ def token_event(token) -> StreamTokenEvent:
             {"token_id": t.token_id, "logprob": t.logprob} for t in token.top_logprobs or ()])
     return StreamTokenEvent(index=token.index, text=token.text, token_id=token.token_id,
                             logprobs=logprobs)
-
-
-def failure_event(item) -> StreamErrorEvent:
-    if isinstance(item, StreamFailure):
-        return StreamErrorEvent(code=item.code, message=item.message)
-    return StreamErrorEvent(code="aborted", message="the request was aborted")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -46,11 +38,10 @@ async def _stream(request, state, request_id, items) -> web.StreamResponse:
     response = await open_sse(request, request_id)
     try:
         async for item in items:
-            if isinstance(item, StreamFailure) or (
-                    item.completion and item.completion.reason is FinishReason.ABORT):
-                event = failure_event(item)
-                state.metrics.observe_failure(event.code)
-                await send_sse(response, event.model_dump())
+            failure = failure_of(item)
+            if failure is not None:
+                state.metrics.observe_failure(failure.code)
+                await send_sse(response, failure.model_dump())
                 break
             if item.token is not None:
                 await send_sse(response, token_event(item.token).model_dump(exclude_none=True))
@@ -66,13 +57,10 @@ async def _stream(request, state, request_id, items) -> web.StreamResponse:
 async def _collect(state, request_id, items) -> web.Response:
     tokens = []
     async for item in items:
-        if isinstance(item, StreamFailure) or (
-                item.completion and item.completion.reason is FinishReason.ABORT):
-            event = failure_event(item)
-            state.metrics.observe_failure(event.code)
-            status = 503 if event.code == "shutting_down" else 500
-            return json_error(status, event.code, event.message,
-                              headers={"X-Request-Id": request_id})
+        failure = failure_of(item)
+        if failure is not None:
+            state.metrics.observe_failure(failure.code)
+            return failure_response(failure, request_id)
         if item.token is not None:
             tokens.append(item.token)
         if item.completion is not None:

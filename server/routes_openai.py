@@ -13,10 +13,9 @@ from aiohttp import web
 
 from engine import FinishReason
 
-from .async_engine import StreamFailure, now
-from .common import (STATE, ApiError, error_body, json_error, new_request_id, open_sse,
-                     parse_body, sampling_params, send_sse)
-from .routes_native import failure_event
+from .async_engine import now
+from .common import (STATE, ApiError, error_body, failure_of, failure_response,
+                     new_request_id, open_sse, parse_body, sampling_params, send_sse)
 from .schema import ChatCompletionRequest, CompletionRequest
 
 OPENAI_REASON = {FinishReason.EOS: "stop", FinishReason.STOP: "stop",
@@ -136,11 +135,10 @@ async def _stream(request, state, items, head, dialect, include_usage):
     first = True
     try:
         async for item in items:
-            if isinstance(item, StreamFailure) or (
-                    item.completion and item.completion.reason is FinishReason.ABORT):
-                event = failure_event(item)
-                state.metrics.observe_failure(event.code)
-                await send_sse(response, error_body(event.code, event.message,
+            failure = failure_of(item)
+            if failure is not None:
+                state.metrics.observe_failure(failure.code)
+                await send_sse(response, error_body(failure.code, failure.message,
                                                     kind="server_error"))
                 break
             if item.token is not None:
@@ -166,12 +164,10 @@ async def _stream(request, state, items, head, dialect, include_usage):
 async def _collect(state, items, head, dialect):
     tokens = []
     async for item in items:
-        if isinstance(item, StreamFailure) or (
-                item.completion and item.completion.reason is FinishReason.ABORT):
-            event = failure_event(item)
-            state.metrics.observe_failure(event.code)
-            return json_error(503 if event.code == "shutting_down" else 500, event.code,
-                              event.message, headers={"X-Request-Id": head["id"]})
+        failure = failure_of(item)
+        if failure is not None:
+            state.metrics.observe_failure(failure.code)
+            return failure_response(failure, head["id"])
         if item.token is not None:
             tokens.append(item.token)
         if item.completion is not None:
