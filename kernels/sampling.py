@@ -111,7 +111,8 @@ def _sample_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr
     for start in range(0, V, BLOCK_V):
         e, cols, valid = _exp_scores(logits_ptr, stride, rows, row_mask, start, best, inv_t,
                                      V, BLOCK_V)
-        u = tl.rand(seed[:, None], cols[None, :])  # [BLOCK_R, BLOCK_V] in [0, 1)
+        u = tl.rand(tl.broadcast_to(seed[:, None], [BLOCK_R, BLOCK_V]),  # in [0, 1)
+                    tl.broadcast_to(cols[None, :], [BLOCK_R, BLOCK_V]))
         race = e / -tl.log(u)
         race = tl.where(valid & (e >= threshold[:, None]) & (e > 0.0), race, -1.0)
         chunk_max = tl.max(race, axis=1)
