@@ -20,39 +20,41 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
     decode_seq_lens: torch.Tensor  # [num_decodes] int32, context length including the new token
+    decode_max_seq_len: int  # known on the host: the kernels need no device read-back
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32
     prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32
+    prefill_max_q_len: int
 
 
 class AttentionBackend:
-    """Paged attention; subclasses choose the kernels. Same interface, same cache layout
-    `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+    """Paged attention over caches `[num_blocks, block_size, num_kv_heads, head_dim]`;
+    subclasses choose the kernels."""
 
     name = "base"
 
-    def __init__(self, store_kv, decode, prefill) -> None:
-        self._store_kv = store_kv
-        self._decode = decode
-        self._prefill = prefill
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        raise NotImplementedError
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        raise NotImplementedError
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]"""
-        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if nd == q.shape[0]:
-            return self._decode(q, k_cache, v_cache, meta.decode_block_tables,
-                                meta.decode_seq_lens, scale)
+            return self.decode(q, k_cache, v_cache, meta, scale)
         if nd == 0:
-            return self._prefill(q, k_cache, v_cache, meta.prefill_block_tables,
-                                 meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale)
+            return self.prefill(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
-        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                meta.decode_seq_lens, scale)
-        out[nd:] = self._prefill(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
-                                 meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale)
+        out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale)
+        out[nd:] = self.prefill(q[nd:], k_cache, v_cache, meta, scale)
         return out
 
 
@@ -79,17 +81,34 @@ def bucketed_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def __init__(self) -> None:
-        super().__init__(reference.store_kv_cache, bucketed_decode_attention,
-                         reference.paged_prefill_attention)
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        reference.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        return bucketed_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                         meta.decode_seq_lens, scale)
+
+    def prefill(self, q, k_cache, v_cache, meta, scale):
+        return reference.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
+                                                 meta.prefill_cu_seqlens_q,
+                                                 meta.prefill_seq_lens, scale)
 
 
 class TritonAttention(AttentionBackend):
     name = "triton"
 
-    def __init__(self) -> None:
-        super().__init__(kernels.store_kv_cache, kernels.paged_decode_attention,
-                         kernels.paged_prefill_attention)
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        kernels.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                              meta.decode_seq_lens, scale,
+                                              max_seq_len=meta.decode_max_seq_len)
+
+    def prefill(self, q, k_cache, v_cache, meta, scale):
+        return kernels.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
+                                               meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
+                                               scale, max_q_len=meta.prefill_max_q_len)
 
 
 def make_attention_backend(use_triton: bool) -> AttentionBackend:

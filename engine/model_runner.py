@@ -94,10 +94,12 @@ class ModelRunner:
             num_decode_tokens=len(decodes),
             decode_block_tables=self._block_table(decodes),
             decode_seq_lens=self._tensor([s.start + 1 for s in decodes], torch.int32),
+            decode_max_seq_len=max((s.start + 1 for s in decodes), default=0),
             prefill_block_tables=self._block_table(prefills),
             prefill_seq_lens=self._tensor([s.start + s.num_new_tokens for s in prefills],
                                           torch.int32),
             prefill_cu_seqlens_q=self._tensor(cu, torch.int32),
+            prefill_max_q_len=max((s.num_new_tokens for s in prefills), default=0),
         )
         return ModelInput(self._tensor(input_ids, torch.int64),
                           self._tensor(positions, torch.int64), meta,
