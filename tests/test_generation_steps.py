@@ -139,3 +139,23 @@ def test_offline_generate_enqueues_nothing_when_one_prompt_is_invalid(tiny_model
                       SamplingParams(max_tokens=10_000)])
     assert not llm.engine.has_unfinished_requests()
     assert len(llm.generate(["fine"], SamplingParams(max_tokens=3))[0].token_ids) <= 3
+
+
+def test_min_tokens_suppresses_eos(eos_model):
+    folder, k = eos_model
+    engine = LLMEngine(build_config(folder))
+    steps = run_steps(engine, PROMPT, SamplingParams(temperature=0.0, max_tokens=k + 6,
+                                                     min_tokens=k + 3))
+    assert steps[-1].completion.output_tokens >= k + 3
+    eos = next(iter(engine.eos_token_ids))
+    assert all(s.token.token_id not in engine.eos_token_ids for s in steps if s.token)
+    assert eos not in [s.token.token_id for s in steps if s.token]
+
+
+def test_special_tokens_are_text_when_not_skipped(tiny_model):
+    engine = LLMEngine(build_config(tiny_model))
+    special = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    steps = run_steps(engine, PROMPT, SamplingParams(temperature=0.0, max_tokens=2,
+                                                     logit_bias={special: 100.0},
+                                                     skip_special_tokens=False))
+    assert "".join(s.token.text for s in steps) == "<|im_start|>" * 2
