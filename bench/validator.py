@@ -35,13 +35,18 @@ class StreamVerdict:
 
 
 @dataclass
-class NativeValidator:
-    verdict: StreamVerdict = field(default_factory=StreamVerdict)
-    _terminal_seen: bool = False
+class _Validator:
+    verdict: StreamVerdict = field(default_factory=StreamVerdict, init=False)
 
     def _fail(self, message: str) -> None:
+        """Keeps the first violation: later ones are usually its consequences."""
         if self.verdict.protocol_error is None:
             self.verdict.protocol_error = message
+
+
+@dataclass
+class NativeValidator(_Validator):
+    _terminal_seen: bool = False
 
     def feed(self, payload: str) -> bool:
         """One `data:` payload. Returns True when it is a token event (for timing)."""
@@ -86,17 +91,12 @@ class NativeValidator:
 
 
 @dataclass
-class OpenAIValidator:
-    chat: bool
-    expect_usage: bool
-    verdict: StreamVerdict = field(default_factory=StreamVerdict)
+class OpenAIValidator(_Validator):
+    chat: bool = False
+    expect_usage: bool = False
     _done_seen: bool = False
     _finishes: int = 0
     _usage: dict | None = None
-
-    def _fail(self, message: str) -> None:
-        if self.verdict.protocol_error is None:
-            self.verdict.protocol_error = message
 
     def feed(self, payload: str) -> bool:
         if self._done_seen:

@@ -7,32 +7,25 @@ import json
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 from aiohttp import web
 
 from bench.conformance import run_checks
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine
 from engine.llm import build_config
 from tests.fake_server import FakeServer
 from tests.server_util import ServerThread
-from tests.tiny_models import with_eos
+from tests.tiny_models import eos_variant
 
 
 @pytest.fixture(scope="module")
 def own_server(tiny_model, tmp_path_factory):
-    """The tiny model, with EOS set to what greedy decoding samples 5th after "Hello", so
-    the EOS checks have something to find (same weights, real engine path)."""
-    engine = LLMEngine(build_config(tiny_model))
-    rid = engine.add_request("Hello", SamplingParams(temperature=0.0, max_tokens=12,
-                                                     ignore_eos=True))
-    tokens = []
-    while engine.has_unfinished_requests():
-        tokens += [s.token.token_id for s in engine.step() if s.request_id == rid]
-    k = next(i for i in range(4, len(tokens)) if tokens[i] not in tokens[:i])
-    folder = with_eos(Path(tiny_model), tmp_path_factory.mktemp("conf") / "m", tokens[k])
-    srv = ServerThread(LLMEngine(build_config(str(folder))))
+    """The tiny model, with EOS set to what greedy decoding samples K-th after "Hello"
+    (the first probe prompt), so the EOS checks have something to find (same weights, the
+    real engine path)."""
+    folder, _ = eos_variant(tiny_model, tmp_path_factory.mktemp("conf") / "m", "Hello")
+    srv = ServerThread(LLMEngine(build_config(folder)))
     yield srv
     srv.stop()
 

@@ -5,7 +5,7 @@ import pytest
 
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
 from engine.llm import build_config
-from tests.tiny_models import with_eos
+from tests.tiny_models import eos_variant
 
 PROMPT = "The quick brown fox"
 
@@ -27,13 +27,9 @@ def greedy_tokens(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def eos_model(tiny_model, greedy_tokens, tmp_path_factory):
+def eos_model(tiny_model, tmp_path_factory):
     """Same weights, but the EOS token is the one greedy decoding samples at index K."""
-    k = next(i for i in range(4, len(greedy_tokens))
-             if greedy_tokens[i] not in greedy_tokens[:i])
-    folder = with_eos(__import__("pathlib").Path(tiny_model),
-                      tmp_path_factory.mktemp("eos") / "m", greedy_tokens[k])
-    return str(folder), k
+    return eos_variant(tiny_model, tmp_path_factory.mktemp("eos") / "m", PROMPT)
 
 
 def test_eos_at_last_permitted_step(eos_model, greedy_tokens):

@@ -5,16 +5,15 @@ import asyncio
 import json
 import socket
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine
 from engine.llm import build_config
 from server.schema import STREAM_EVENT, StreamDoneEvent, StreamTokenEvent
 from tests.server_util import ServerThread, metric, request, sse_payloads
-from tests.tiny_models import with_eos
+from tests.tiny_models import eos_variant
 
 PROMPT = "The quick brown fox"
 
@@ -22,15 +21,7 @@ PROMPT = "The quick brown fox"
 @pytest.fixture(scope="module")
 def eos_setup(tiny_model, tmp_path_factory):
     """The tiny model with EOS = the token greedy decoding samples at index K for PROMPT."""
-    engine = LLMEngine(build_config(tiny_model))
-    request_id = engine.add_request(PROMPT, SamplingParams(temperature=0.0, max_tokens=12,
-                                                           ignore_eos=True))
-    tokens = []
-    while engine.has_unfinished_requests():
-        tokens += [s.token.token_id for s in engine.step() if s.request_id == request_id]
-    k = next(i for i in range(4, len(tokens)) if tokens[i] not in tokens[:i])
-    folder = with_eos(Path(tiny_model), tmp_path_factory.mktemp("srv") / "m", tokens[k])
-    return str(folder), k
+    return eos_variant(tiny_model, tmp_path_factory.mktemp("srv") / "m", PROMPT)
 
 
 @pytest.fixture(scope="module")
