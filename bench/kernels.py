@@ -84,7 +84,6 @@ def bench_all(args) -> list[dict]:
     add("decode_attention", "SDPA, contiguous cache", measure(
         lambda: torch.nn.functional.scaled_dot_product_attention(q_dense, k_dense, v_dense)),
         kv_bytes)
-    del k_dense, v_dense
 
     chunk = min(args.context, 1024)
     prefill_seqs = max(1, min(args.batch, 8))
@@ -112,7 +111,6 @@ def bench_all(args) -> list[dict]:
             k_new, k_new, k_cache, v_cache, slots)), wbytes)
     add("store_kv_cache", "torch reference", measure(lambda: reference.store_kv_cache(
         k_new, k_new, k_cache, v_cache, slots)), wbytes)
-    del k_cache, v_cache
 
     logits = torch.randn(args.sample_batch, args.vocab, device=device)
     b = args.sample_batch

@@ -49,7 +49,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [total_q, heads, d]; sequence s's queries are its last (cu[s+1]-cu[s]) positions of
     seq_lens[s], causal; earlier positions (a cached prefix, earlier chunks) come from the cache."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_size = k_cache.shape[1]

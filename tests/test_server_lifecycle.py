@@ -1,7 +1,6 @@
 """`python -m server` as a real process: SIGTERM drains, then ends streams with an error."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
