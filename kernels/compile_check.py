@@ -60,12 +60,14 @@ def variants():
                    dict(NUM_KV_HEADS=8, GROUP=group, HEAD_DIM=head_dim,
                         BLOCK_G=max(16, triton.next_power_of_2(group)),
                         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block,
-                        NUM_SPLITS=splits, FP32=fp32, PRECISION=precision))
+                        TILE_N=max(block, 32 if fp32 else 64), NUM_SPLITS=splits, FP32=fp32,
+                        PRECISION=precision))
         for head_dim, block in ((128, 16), (64, 32), (96, 16)):
             yield (f"prefill {dtype} d{head_dim} bs{block}", _prefill_kernel, cache,
                    {"scale": "fp32"},
                    dict(GROUP=4, HEAD_DIM=head_dim, BLOCK_M=16,
-                        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block, FP32=fp32,
+                        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block,
+                        TILE_N=max(block, 32 if fp32 else 64), FP32=fp32,
                         PRECISION=precision))
         yield (f"merge splits -> {dtype}", _merge_splits_kernel, cache, {},
                dict(NUM_HEADS=32, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4))

@@ -2,6 +2,8 @@
 
 Grid: (sequence, KV head, split). One program packs the G query heads that share a KV head
 into the rows of a tl.dot, so each K/V tile is loaded once per group, not once per head.
+Each iteration covers TILE_N tokens (several pages), gathering their slots through the block
+table, rather than one page at a time.
 Split-KV (flash-decoding): when sequences x KV heads cannot fill the GPU and contexts are long,
 each program covers a slice of the context and a second kernel merges the slices with
 log-sum-exp. Heuristic (choose_num_splits): split only when the grid has fewer than 2 programs
@@ -26,19 +28,19 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
                    stride_os, stride_oh,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr):
+                   TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32: tl.constexpr,
+                   PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    blocks_per_split = tl.cdiv(num_blocks, NUM_SPLITS)
-    first_block = split * blocks_per_split
-    last_block = tl.minimum(first_block + blocks_per_split, num_blocks)
+    num_tiles = tl.cdiv(seq_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    first_tile = split * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    t = tl.arange(0, BLOCK_SIZE)
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
     heads = kv_head * GROUP + g
@@ -50,19 +52,21 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for b in range(first_block, last_block):
-        block = tl.load(block_tables_ptr + seq * stride_bts + b).to(tl.int64)
-        base = block * stride_cb + kv_head * stride_ch
-        kv_offs = base + t[:, None] * stride_ct + d[None, :]
-        # slots past seq_len may hold anything (even NaN): never load them
-        kv_mask = ((b * BLOCK_SIZE + t) < seq_len)[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BS, BLOCK_D]
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+    for tile in range(first_tile, last_tile):
+        # a tile of TILE_N tokens spans TILE_N / BLOCK_SIZE pages: gather their slots
+        pos = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
+        valid = pos < seq_len  # slots past seq_len may hold anything (even NaN)
+        block = tl.load(block_tables_ptr + seq * stride_bts + pos // BLOCK_SIZE, mask=valid,
+                        other=0).to(tl.int64)
+        row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BS]
-        s = tl.where((b * BLOCK_SIZE + t)[None, :] < seq_len, s, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, TILE_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -102,6 +106,12 @@ def _merge_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     out = tl.sum(accs * weights[:, None], axis=0) / total
     tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
+
+
+def tile_tokens(block_size: int, dtype: torch.dtype) -> int:
+    """Tokens per loop iteration: several pages at once (vLLM and SGLang use 32-64), so each
+    iteration has more bytes in flight than one 16-token page gives."""
+    return max(block_size, 32 if dtype == torch.float32 else 64)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
@@ -152,7 +162,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(2), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits, FP32=compute_in_fp32(q.dtype),
+        BLOCK_SIZE=block_size, TILE_N=tile_tokens(block_size, q.dtype),
+        NUM_SPLITS=num_splits, FP32=compute_in_fp32(q.dtype),
         PRECISION=dot_precision(q.dtype))
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

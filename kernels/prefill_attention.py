@@ -2,8 +2,8 @@
 
 Grid: (sequence, query head, tile of BLOCK_M query rows). Sequence s's queries are its last
 q_len positions of seq_lens[s], so a cached prefix or earlier chunks are read from the cache
-(the new tokens' K/V were written there first). KV blocks past the tile's last query are
-never visited.
+(the new tokens' K/V were written there first). Keys are read TILE_N tokens (several pages)
+per iteration; tiles past the query tile's last position are never visited.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_cache_layout, compute_in_fp32, dot_precision
+from .decode_attention import tile_tokens
 
 BLOCK_M = 16
 
@@ -22,8 +23,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
                     stride_qt, stride_qh, stride_bts, stride_cb, stride_ct, stride_ch,
                     stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                    FP32: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -34,7 +35,6 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
         context_start = seq_len - q_len  # tokens before the first new query
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
-        t = tl.arange(0, BLOCK_SIZE)
         row_mask = rows < q_len
         d_mask = d < HEAD_DIM
         q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
@@ -47,19 +47,20 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for b in range(0, tl.cdiv(last_pos, BLOCK_SIZE)):
-            block = tl.load(block_tables_ptr + seq * stride_bts + b).to(tl.int64)
-            kv_offs = block * stride_cb + kv_head * stride_ch + t[:, None] * stride_ct + d[None, :]
-            # slots past seq_len may hold anything (even NaN): never load them
-            kv_mask = ((b * BLOCK_SIZE + t) < seq_len)[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BS, BLOCK_D]
-            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        for key_tile in range(0, tl.cdiv(last_pos, TILE_N)):
+            k_pos = key_tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N], spanning several pages
+            in_range = k_pos < seq_len  # slots past seq_len may hold anything (even NaN)
+            block = tl.load(block_tables_ptr + seq * stride_bts + k_pos // BLOCK_SIZE,
+                            mask=in_range, other=0).to(tl.int64)
+            row = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            kv_mask = in_range[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             if FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BS]
-            k_pos = b * BLOCK_SIZE + t  # [BS]
-            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE_N]
+            visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -98,5 +99,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache.stride(2), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        FP32=compute_in_fp32(q.dtype), PRECISION=dot_precision(q.dtype))
+        TILE_N=tile_tokens(block_size, q.dtype), FP32=compute_in_fp32(q.dtype),
+        PRECISION=dot_precision(q.dtype))
     return out
