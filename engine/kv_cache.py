@@ -13,10 +13,6 @@ from dataclasses import dataclass
 from .request import Request
 
 
-class CacheFullError(RuntimeError):
-    pass
-
-
 @dataclass(frozen=True)
 class BlockKey:
     """What a full block holds: its parent's hash and its own tokens (confirms a hash hit)."""
@@ -151,10 +147,3 @@ class KVCacheManager:
             self._block_key[block] = None
         self._ref_counts[block] = 1
         return block
-
-    def reset_prefix_cache(self) -> None:
-        for block_hash, block in list(self._cached.items()):
-            if self._ref_counts[block] == 0:
-                del self._cached[block_hash]
-                self._block_hash[block] = None
-                self._block_key[block] = None
