@@ -86,14 +86,17 @@ class Sampler:
                 torch.tensor([p.top_k for p in params], dtype=torch.int32, device=device),
                 torch.tensor([p.top_p for p in params], device=device),
                 torch.tensor([p.min_p for p in params], device=device),
-                torch.tensor([self._seed(r) for r in requests], dtype=torch.int64,
-                             device=device))
+                self._seeds(requests).to(device))
         return self._outputs(token_ids, logprobs, params)
 
-    def _seed(self, request: Request) -> int:
-        if request.params.seed is None:
-            return int(torch.randint(0, 1 << 62, (1,), generator=self._rng))
-        return step_seed(request.params.seed, request.num_output_tokens)
+    def _seeds(self, requests: list[Request]) -> torch.Tensor:
+        """[B] int64: one draw from the engine's generator for the batch, then the per-token
+        seed of every request that has its own."""
+        seeds = torch.randint(0, 1 << 62, (len(requests),), generator=self._rng)
+        for row, r in enumerate(requests):
+            if r.params.seed is not None:
+                seeds[row] = step_seed(r.params.seed, r.num_output_tokens)
+        return seeds
 
     def _penalise(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         batch, vocab = logits.shape
