@@ -73,8 +73,8 @@ def bucketed_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                                 scale)
     out = torch.empty_like(q)
     for rows in torch.argsort(seq_lens).tensor_split(num_buckets):
-        out[rows] = reference.paged_decode_attention(q[rows], k_cache, v_cache,
-                                                     block_tables[rows], seq_lens[rows], scale)
+        out.index_copy_(0, rows, reference.paged_decode_attention(
+            q[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale))
     return out
 
 
