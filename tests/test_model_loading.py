@@ -102,3 +102,33 @@ def test_bench_kernels_runs_on_cpu():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "torch reference" in proc.stdout and "no CUDA device" in proc.stdout
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2),
+                                             (torch.float16, 3e-3)])
+@pytest.mark.parametrize("rows", [0, 1, 37])
+def test_linear_matches_float64(dtype, tolerance, rows):
+    """decoder.linear (oneDNN on the CPU for fp32/bf16, F.linear otherwise) against float64."""
+    from engine.models.decoder import linear
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=generator).to(dtype)
+    weight = torch.randn(160, 96, generator=generator).to(dtype) / 10
+    bias = torch.randn(160, generator=generator).to(dtype)
+    for b in (None, bias):
+        out = linear(x, weight, b)
+        assert out.shape == (rows, 160) and out.dtype == dtype
+        expected = x.double() @ weight.double().t() + (0 if b is None else b.double())
+        if rows:
+            error = (out.double() - expected).abs().max().item()
+            assert error <= tolerance * expected.abs().max().item()
+
+
+def test_bfloat16_engine_tracks_float32(tiny_model):
+    prompts = ["Hello world", "The cat sat on", "a b c d e f", "Once upon a time",
+               "x", "numbers 1 2 3", "What is the", "tokens tokens"]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    full = LLM(tiny_model).generate(prompts, params)
+    half = LLM(tiny_model, dtype="bfloat16").generate(prompts, params)
+    assert all(len(out.token_ids) == 6 for out in half)
+    agree = sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(full, half))
+    assert agree >= 6, f"bf16 first tokens agree with fp32 for only {agree} of 8 prompts"
