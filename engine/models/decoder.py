@@ -38,8 +38,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 
     On the CPU this calls oneDNN's inner product directly instead of F.linear (MKL sgemm):
     measured on this AMD EPYC (AVX-512) at 2.1-2.8x the MKL rate, 442 vs 204 GFLOP/s at
-    2048^3 and 315 vs 114 GFLOP/s for the decode-batch lm_head (M=64). vLLM's CPU backend
-    makes the same choice. fp16 has no oneDNN inner product here and stays on F.linear."""
+    2048^3 and 315 vs 114 GFLOP/s for the decode-batch lm_head (M=64). fp16 has no oneDNN
+    inner product here and stays on F.linear."""
     if x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and _onednn_linear_available():
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
