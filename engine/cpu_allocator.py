@@ -1,4 +1,4 @@
-"""glibc malloc settings for CPU inference.
+"""CPU memory: glibc malloc settings for inference, and the memory left for the KV cache.
 
 Each decode step allocates and frees tensors of 1-32 MB (the gathered K/V of a batch, the
 logits). By default glibc serves those with mmap and returns them with munmap, so every step
@@ -33,3 +33,15 @@ def keep_buffers_on_heap() -> bool:
     if not ok:
         log.info("mallopt refused the CPU allocator settings")
     return ok
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

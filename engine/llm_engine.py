@@ -30,8 +30,11 @@ class LLMEngine:
         self.model_path = Path(config.model) if config.model else default_model_path()
         self.arch = ModelArch.from_folder(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-        self.max_model_len = (config.scheduler.max_model_len
-                              or self.arch.max_position_embeddings)
+        self.max_model_len = config.scheduler.max_model_len or self.arch.max_position_embeddings
+        if self.max_model_len > self.arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.arch.max_position_embeddings}")
         self.runner = ModelRunner(config, self.arch, self.model_path, self.max_model_len)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                        config.cache.enable_prefix_caching)

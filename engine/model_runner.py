@@ -8,7 +8,7 @@ import torch
 
 from .attention import AttentionMetadata, make_attention_backend
 from .config import EngineConfig
-from .cpu_allocator import keep_buffers_on_heap
+from .cpu_allocator import available_memory_bytes, keep_buffers_on_heap
 from .models import ForwardContext, ModelArch, build_model
 from .request import Request
 from .sampler import SampledToken, Sampler
@@ -35,6 +35,17 @@ def num_cache_blocks(config: EngineConfig, arch: ModelArch) -> int:
     return blocks
 
 
+def check_cache_fits_memory(num_blocks: int, config: EngineConfig, arch: ModelArch) -> None:
+    """A CPU cache larger than the memory left after the weights fails here with a message,
+    not later in the kernel's OOM killer."""
+    need = num_blocks * config.cache.block_size * arch.kv_bytes_per_token(config.torch_dtype)
+    available = available_memory_bytes()
+    if available is not None and need > available:
+        raise ValueError(
+            f"the KV cache (cache_bytes / num_blocks) needs {need / 2**30:.2f} GiB but only "
+            f"{available / 2**30:.2f} GiB of memory is available; lower cache_bytes")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch, folder: Path | None,
                  max_model_len: int) -> None:
@@ -48,6 +59,8 @@ class ModelRunner:
                                  dummy=config.load_format == "dummy", seed=config.seed)
         self.backend = make_attention_backend(config.use_triton("attention"))
         self.num_blocks = num_cache_blocks(config, arch)
+        if self.device.type == "cpu":
+            check_cache_fits_memory(self.num_blocks, config, arch)
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
         # No kernel reads a slot past a sequence's length (the kernel tests poison those slots
         # with NaN), so the contents need no initialising. On the CPU the pages are touched once

@@ -74,7 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     in a second thread. SIGTERM / SIGINT start the drain."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args(argv)
-    app = build_app(build_engine(args), args.max_waiting, engine_thread=False)
+    try:
+        engine = build_engine(args)
+    except (ValueError, FileNotFoundError) as exc:  # a bad option or model folder
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(engine, args.max_waiting, engine_thread=False)
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     failure: list[BaseException] = []

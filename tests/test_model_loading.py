@@ -78,6 +78,18 @@ def test_dummy_weights_from_config_alone(tiny_model, tmp_path):
     assert len(out.token_ids) == 4
 
 
+def test_cache_larger_than_memory_is_rejected_by_name(tiny_model):
+    with pytest.raises(ValueError, match="cache_bytes"):
+        LLM(tiny_model, cache_bytes=1 << 50)
+
+
+def test_cache_size_in_blocks_or_bytes(tiny_model):
+    assert LLM(tiny_model, num_blocks=40).engine.kv_cache.num_blocks == 40
+    arch_bytes = LLM(tiny_model, num_blocks=1).engine.arch.kv_bytes_per_token(torch.float32)
+    llm = LLM(tiny_model, cache_bytes=arch_bytes * 16 * 7 + 5)
+    assert llm.engine.kv_cache.num_blocks == 7
+
+
 def test_unsupported_architecture_is_rejected():
     with pytest.raises(ValueError, match="unsupported architectures"):
         ModelArch.from_dict({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})

@@ -86,3 +86,24 @@ def test_sigterm_grace_period_lets_streams_complete(tiny_model):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--cache-bytes", str(1 << 50)), "cache_bytes"),
+    (("--max-model-len", "0"), "max_model_len"),
+    (("--max-model-len", "100000"), "max_position_embeddings"),
+])
+def test_bad_startup_option_exits_2_with_one_error_line(tiny_model, extra, message):
+    done = subprocess.run([sys.executable, "-m", "server", "--model", tiny_model,
+                           "--port", str(free_port()), *extra],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1].startswith("error: ")
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_missing_model_folder_exits_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "server", "--model", str(tmp_path / "none"),
+                           "--port", str(free_port())], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "error: " in done.stderr
