@@ -127,7 +127,8 @@ def test_linear_matches_float64(dtype, tolerance, rows):
     weight = torch.randn(160, 96, generator=generator).to(dtype) / 10
     bias = torch.randn(160, generator=generator).to(dtype)
     for b in (None, bias):
-        out = linear(x, weight, b)
+        with torch.inference_mode():
+            out = linear(x, weight, b)
         assert out.shape == (rows, 160) and out.dtype == dtype
         expected = x.double() @ weight.double().t() + (0 if b is None else b.double())
         if rows:
@@ -144,3 +145,11 @@ def test_bfloat16_engine_tracks_float32(tiny_model):
     assert all(len(out.token_ids) == 6 for out in half)
     agree = sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(full, half))
     assert agree >= 6, f"bf16 first tokens agree with fp32 for only {agree} of 8 prompts"
+
+
+def test_linear_keeps_gradients_right_outside_inference_mode():
+    from engine.models.decoder import linear
+    weight = torch.randn(8, 4, requires_grad=True)
+    x = torch.randn(3, 4)
+    linear(x, weight).sum().backward()
+    torch.testing.assert_close(weight.grad, x.sum(0).expand(8, 4))

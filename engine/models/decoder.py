@@ -39,8 +39,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     On the CPU this calls oneDNN's inner product directly instead of F.linear (MKL sgemm):
     measured on this AMD EPYC (AVX-512) at 2.1-2.8x the MKL rate, 442 vs 204 GFLOP/s at
     2048^3 and 315 vs 114 GFLOP/s for the decode-batch lm_head (M=64). fp16 has no oneDNN
-    inner product here and stays on F.linear."""
-    if x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and _onednn_linear_available():
+    inner product here and stays on F.linear. The oneDNN op has no backward, so it is used
+    only where autograd is off (the engine runs under inference_mode)."""
+    if (x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and not torch.is_grad_enabled()
+            and _onednn_linear_available()):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
