@@ -57,6 +57,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = build_model(arch, folder, config.torch_dtype, self.device, max_model_len,
                                  dummy=config.load_format == "dummy", seed=config.seed)
+        if self.device.type == "cpu":
+            self.model.prepack_weights(batch_hint=config.scheduler.max_num_seqs)
         self.backend = make_attention_backend(config.use_triton("attention"))
         self.num_blocks = num_cache_blocks(config, arch)
         if self.device.type == "cpu":

@@ -119,16 +119,21 @@ def test_bench_kernels_runs_on_cpu():
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2),
                                              (torch.float16, 3e-3)])
 @pytest.mark.parametrize("rows", [0, 1, 37])
-def test_linear_matches_float64(dtype, tolerance, rows):
-    """decoder.linear (oneDNN on the CPU for fp32/bf16, F.linear otherwise) against float64."""
-    from engine.models.decoder import linear
+@pytest.mark.parametrize("packed", [False, True])
+def test_linear_matches_float64(dtype, tolerance, rows, packed):
+    """decoder.linear (oneDNN on the CPU for fp32/bf16, plain or prepacked weights; F.linear
+    otherwise) against float64."""
+    from engine.models.decoder import can_prepack, linear, prepack_weight
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=generator).to(dtype)
     weight = torch.randn(160, 96, generator=generator).to(dtype) / 10
     bias = torch.randn(160, generator=generator).to(dtype)
+    if packed and not can_prepack(weight):
+        pytest.skip(f"no oneDNN prepacking for {dtype}")
+    used = prepack_weight(weight, 64) if packed else weight
     for b in (None, bias):
         with torch.inference_mode():
-            out = linear(x, weight, b)
+            out = linear(x, used, b)
         assert out.shape == (rows, 160) and out.dtype == dtype
         expected = x.double() @ weight.double().t() + (0 if b is None else b.double())
         if rows:
@@ -153,3 +158,23 @@ def test_linear_keeps_gradients_right_outside_inference_mode():
     x = torch.randn(3, 4)
     linear(x, weight).sum().backward()
     torch.testing.assert_close(weight.grad, x.sum(0).expand(8, 4))
+
+
+def test_prepacked_weights_refuse_inputs_that_need_gradients():
+    from engine.models.decoder import can_prepack, linear, prepack_weight
+    weight = torch.randn(8, 4)
+    if not can_prepack(weight):
+        pytest.skip("no oneDNN prepacking here")
+    with pytest.raises(RuntimeError, match="inference only"):
+        linear(torch.randn(3, 4, requires_grad=True), prepack_weight(weight, 8))
+
+
+def test_cpu_engine_runs_on_prepacked_weights(tiny_model):
+    """The fast path is the one the parity tests exercise: every projection is prepacked."""
+    from engine.models.decoder import Linear, can_prepack
+    model = LLM(tiny_model).engine.runner.model
+    if not can_prepack(model.embed_tokens.weight):
+        pytest.skip("no oneDNN prepacking here")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight.is_mkldnn for m in linears)
+    assert model.packed_tied_lm_head is not None or not model.arch.tie_word_embeddings

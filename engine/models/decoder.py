@@ -32,6 +32,19 @@ def _onednn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def can_prepack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES
+            and _onednn_linear_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def prepack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    """weight [N, K] -> the same weight in oneDNN's blocked layout, chosen for batches of about
+    `batch_hint` rows. A plain weight is reordered inside every call; prepacked, a batch-64
+    SmolLM2 decode step took 92-94 ms instead of 100 (the lm_head: 8.9 ms instead of 13.4)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N].
@@ -39,8 +52,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     On the CPU this calls oneDNN's inner product directly instead of F.linear (MKL sgemm):
     measured on this AMD EPYC (AVX-512) at 2.1-2.8x the MKL rate, 442 vs 204 GFLOP/s at
     2048^3 and 315 vs 114 GFLOP/s for the decode-batch lm_head (M=64). fp16 has no oneDNN
-    inner product here and stays on F.linear. The oneDNN op has no backward, so it is used
-    only where autograd is off (the engine runs under inference_mode)."""
+    inner product here and stays on F.linear. The oneDNN op has no backward, so a plain
+    weight takes it only where autograd is off (the engine runs under inference_mode), and a
+    prepacked weight (`prepack_weight`) refuses an input that needs a gradient."""
+    if weight.is_mkldnn:
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError("prepacked CPU weights are for inference only")
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if (x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and not torch.is_grad_enabled()
             and _onednn_linear_available()):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -152,6 +170,18 @@ class DecoderForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(arch, max_positions)
         if not arch.tie_word_embeddings:
             self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.packed_tied_lm_head: torch.Tensor | None = None  # set by prepack_weights
+
+    def prepack_weights(self, batch_hint: int) -> None:
+        """CPU inference: every projection weight in oneDNN's blocked layout, in place of the
+        plain one (see `prepack_weight`). A tied lm_head gets a packed copy of the embedding
+        table, which stays plain for the lookup."""
+        for module in self.modules():
+            if isinstance(module, Linear) and can_prepack(module.weight):
+                module.weight = nn.Parameter(prepack_weight(module.weight, batch_hint),
+                                             requires_grad=False)
+        if self.arch.tie_word_embeddings and can_prepack(self.embed_tokens.weight):
+            self.packed_tied_lm_head = prepack_weight(self.embed_tokens.weight, batch_hint)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -163,5 +193,8 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab]"""
-        weight = self.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
-        return linear(hidden, weight)
+        if not self.arch.tie_word_embeddings:
+            return self.lm_head(hidden)
+        if self.packed_tied_lm_head is not None:
+            return linear(hidden, self.packed_tied_lm_head)
+        return linear(hidden, self.embed_tokens.weight)
