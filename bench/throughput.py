@@ -33,8 +33,9 @@ def measure_matmul_gflops(size: int = 2048, repeats: int = 5) -> dict[str, float
     engine's fraction of it is never flattered by a slow library."""
     from engine.models.decoder import linear
     a, b = torch.randn(size, size), torch.randn(size, size)
-    return {"torch_mm": _gflops(lambda x, w: x @ w.t(), a, b, repeats),
-            "engine_linear": _gflops(linear, a, b, repeats)}
+    with torch.inference_mode():  # as in the engine: linear takes oneDNN only without autograd
+        return {"torch_mm": _gflops(lambda x, w: x @ w.t(), a, b, repeats),
+                "engine_linear": _gflops(linear, a, b, repeats)}
 
 
 def make_prompts(tokenizer, num: int, lengths: list[int], seed: int) -> list[list[int]]:
