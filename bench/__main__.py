@@ -1,4 +1,4 @@
-"""python -m bench {throughput,kernels,serve,conformance} ..."""
+"""python -m bench {throughput,profile,kernels,serve,conformance} ..."""
 from __future__ import annotations
 
 import importlib
@@ -6,6 +6,7 @@ import sys
 
 COMMANDS = {
     "throughput": "bench.throughput",
+    "profile": "bench.profile_step",
     "kernels": "bench.kernels",
     "serve": "bench.serve",
     "conformance": "bench.conformance",

@@ -38,6 +38,15 @@ def measure_matmul_gflops(size: int = 2048, repeats: int = 5) -> dict[str, float
                 "engine_linear": _gflops(linear, a, b, repeats)}
 
 
+def prompt_lengths(num: int, input_len: int, input_range: str | None, seed: int) -> list[int]:
+    """`num` x input_len, or lengths drawn uniformly from input_range "MIN:MAX"."""
+    if not input_range:
+        return [input_len] * num
+    low, high = map(int, input_range.split(":"))
+    rng = random.Random(seed)
+    return [rng.randint(low, high) for _ in range(num)]
+
+
 def make_prompts(tokenizer, num: int, lengths: list[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     vocab = [i for i in range(tokenizer.vocab_size) if i not in tokenizer.all_special_ids]
@@ -91,12 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               cache_bytes=1 << 30)
     model_path = str(llm.engine.model_path)
-    rng = random.Random(args.seed)
-    if args.input_range:
-        low, high = map(int, args.input_range.split(":"))
-        lengths = [rng.randint(low, high) for _ in range(args.num_prompts)]
-    else:
-        lengths = [args.input_len] * args.num_prompts
+    lengths = prompt_lengths(args.num_prompts, args.input_len, args.input_range, args.seed)
     prompts = make_prompts(llm.tokenizer, args.num_prompts, lengths, args.seed)
     run_engine(llm, prompts[:2], 4)  # warm-up
     engine_tps = run_engine(llm, prompts, args.output_len)

@@ -1,5 +1,8 @@
-"""bench throughput's compute ceiling measures the engine's own matmul path."""
+"""bench throughput's compute ceiling and bench profile."""
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,3 +22,17 @@ def test_ceiling_measures_the_engine_linear_path(monkeypatch):
     rates = measure_matmul_gflops(size=128, repeats=2)
     assert set(rates) == {"torch_mm", "engine_linear"}
     assert all(rate > 0 for rate in rates.values())
+
+
+def test_bench_profile_reports_prefill_decode_and_ops(tiny_model):
+    proc = subprocess.run([sys.executable, "-m", "bench", "profile", "--model", tiny_model,
+                           "--num-prompts", "4", "--input-range", "5:20", "--steps", "3",
+                           "--profile-steps", "2", "--rows", "5"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    prefill = next(line for line in lines if line.startswith("prefill:"))
+    tokens = int(prefill.split()[1])
+    assert 4 * 5 <= tokens <= 4 * 20
+    assert any(line.startswith("decode:") and "ms per step at batch 4" in line for line in lines)
+    assert "Self CPU" in proc.stdout and "aten::" in proc.stdout

@@ -1,0 +1,62 @@
+"""Where an engine step's time goes: prefill, then decode steps at full batch.
+
+python -m bench profile [--model PATH] [--num-prompts 64] [--input-len 100 |
+    --input-range 50:400] [--steps 30] [--profile-steps 5] [--rows 15]
+
+Adds the prompts, steps until every one is decoding, times --steps decode steps, then runs
+--profile-steps more under torch.profiler and prints its per-op table (self CPU time). Every
+decode-step figure in docs/benchmarks.md was found this way.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from .throughput import make_prompts, prompt_lengths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench profile")
+    parser.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=100)
+    parser.add_argument("--input-range", default=None, help="MIN:MAX uniform prompt lengths")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import LLM, SamplingParams
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts)
+    engine = llm.engine
+    lengths = prompt_lengths(args.num_prompts, args.input_len, args.input_range, args.seed)
+    # enough output tokens that nobody finishes during the measured steps
+    params = SamplingParams(temperature=0.0, ignore_eos=True,
+                            max_tokens=args.steps + args.profile_steps + 8)
+    for prompt in make_prompts(llm.tokenizer, args.num_prompts, lengths, args.seed):
+        engine.add_request(prompt, params)
+
+    start = time.perf_counter()
+    prefill_steps = 0
+    while engine.num_waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
+                                    for r in engine.scheduler.running):
+        engine.step()
+        prefill_steps += 1
+    prefill_s = time.perf_counter() - start
+    engine.step()  # the first step in which every request decodes
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    step_ms = (time.perf_counter() - start) / args.steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.profile_steps):
+            engine.step()
+    print(f"prefill: {sum(lengths)} prompt tokens in {prefill_steps} steps, {prefill_s:.2f} s")
+    print(f"decode:  {step_ms:.1f} ms per step at batch {args.num_prompts} "
+          f"(mean of {args.steps}); per-op table over {args.profile_steps} steps:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    return 0
