@@ -12,15 +12,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from .throughput import make_prompts, prompt_lengths
+from .throughput import add_workload_args, make_prompts, prompt_lengths
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench profile")
-    parser.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=100)
-    parser.add_argument("--input-range", default=None, help="MIN:MAX uniform prompt lengths")
+    add_workload_args(parser)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--profile-steps", type=int, default=5)

@@ -38,6 +38,14 @@ def measure_matmul_gflops(size: int = 2048, repeats: int = 5) -> dict[str, float
                 "engine_linear": _gflops(linear, a, b, repeats)}
 
 
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The model and prompt options `throughput` and `profile` share."""
+    parser.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=100)
+    parser.add_argument("--input-range", default=None, help="MIN:MAX uniform prompt lengths")
+
+
 def prompt_lengths(num: int, input_len: int, input_range: str | None, seed: int) -> list[int]:
     """`num` x input_len, or lengths drawn uniformly from input_range "MIN:MAX"."""
     if not input_range:
@@ -83,10 +91,7 @@ def run_transformers(model_path: str, prompts: list[list[int]], output_len: int,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench throughput")
-    parser.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2)")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=100)
-    parser.add_argument("--input-range", default=None, help="MIN:MAX uniform prompt lengths")
+    add_workload_args(parser)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)
