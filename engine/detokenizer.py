@@ -14,20 +14,23 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Turns output token ids into text deltas whose concatenation equals
-    `tokenizer.decode(output_ids)`.
+    """Turns output token ids into text deltas whose concatenation equals the output's
+    in-context decode: `decode(prompt + output)` less `decode(prompt)`.
 
     It decodes a short window (the previous chunk plus the new tokens) and diffs it against the
     previous chunk alone, so tokenizers that strip a leading space at the start of a decode
-    still produce the right delta, and each step costs O(window), not O(output).
+    (SentencePiece / Metaspace) still produce the right delta, and each step costs O(window),
+    not O(output). The window starts on the last few prompt tokens (`prompt_context`), so the
+    first output token keeps the space it has in context.
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True,
+                 prompt_context: list[int] | tuple[int, ...] = ()) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._ids: list[int] = []
+        self._ids: list[int] = list(prompt_context)
         self._prefix_offset = 0  # start of the decode window
-        self._read_offset = 0  # ids before this have been released as text
+        self._read_offset = len(self._ids)  # ids before this have been released as text
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special,
@@ -66,10 +69,14 @@ class StopStringMatcher:
         self._include = include_stop_in_output
         self._held = ""
 
-    def feed(self, delta: str) -> StopCheck:
+    def feed(self, delta: str, match: bool = True) -> StopCheck:
+        """match=False (before min_tokens): release everything, look for nothing."""
         if not self._stop:
             return StopCheck(delta, None)
         buffer = self._held + delta
+        if not match:
+            self._held = ""
+            return StopCheck(buffer, None)
         match_at, matched = -1, None
         for stop in self._stop:
             at = buffer.find(stop)

@@ -7,18 +7,32 @@ least recently used cached block.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from .request import Request
 
+_ROOT = b"\0" * 32  # the parent digest of a prompt's first block
+
 
 @dataclass(frozen=True)
 class BlockKey:
-    """What a full block holds: its parent's hash and its own tokens (confirms a hash hit)."""
+    """What a full block holds: its parent's digest and its own tokens. A hit compares the
+    whole key, so it is confirmed by content, never by the digest alone."""
 
-    parent_hash: int | None
+    parent_hash: bytes | None
     tokens: tuple[int, ...]
+
+    @property
+    def digest(self) -> bytes:
+        """sha256 over (parent digest, tokens as int64): chained, so a block's digest names
+        its whole prefix. A 256-bit hash cannot be collided by a crafted prompt, unlike
+        Python's hash() (vLLM moved to sha256 after CVE-2025-25183)."""
+        h = hashlib.sha256(self.parent_hash or _ROOT)
+        h.update(array("q", self.tokens).tobytes())
+        return h.digest()
 
 
 @dataclass
@@ -37,8 +51,8 @@ class KVCacheManager:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._ref_counts = [0] * num_blocks
         self._block_key: list[BlockKey | None] = [None] * num_blocks
-        self._block_hash: list[int | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # block digest -> block id
         self.stats = PrefixCacheStats()
 
     # ---- queries -------------------------------------------------------------------------
@@ -69,11 +83,11 @@ class KVCacheManager:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        parent: int | None = None
+        parent: bytes | None = None
         for i in range(max_blocks):
             key = BlockKey(parent, tuple(request.token_ids[i * self.block_size:
                                                           (i + 1) * self.block_size]))
-            block_hash = hash(key)
+            block_hash = key.digest
             block = self._cached.get(block_hash)
             if block is None or self._block_key[block] != key:
                 break
@@ -92,7 +106,7 @@ class KVCacheManager:
             parent = request.block_hashes[i - 1] if i else None
             key = BlockKey(parent, tuple(request.token_ids[i * self.block_size:
                                                           (i + 1) * self.block_size]))
-            block_hash = hash(key)
+            block_hash = key.digest
             block = request.block_ids[i]
             request.block_hashes.append(block_hash)
             if self._block_hash[block] is None and block_hash not in self._cached:

@@ -70,4 +70,4 @@ class LLM:
             text="".join(t.text for t in tokens) + done.tail_text,
             finish_reason=done.reason,
             logprobs=tokens if params.logprobs is not None else None,
-            timing=done.timing)
+            timing=done.timing, error=done.error)

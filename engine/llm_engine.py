@@ -1,8 +1,16 @@
 """LLMEngine: add_request / step / abort. Each step yields one GenerationStep per request that
-something happened to, so EOS, stop and max-tokens termination can never look alike."""
+something happened to, so EOS, stop and max-tokens termination can never look alike.
+
+Failure isolation: an exception while turning one request's sample into output fails that
+request alone (a GenerationStep with FinishReason.ERROR); a failed forward pass fails the
+requests of that batch and the next step goes on. Only a device fault, MAX_FAILED_STEPS failed
+forwards in a row, or broken bookkeeping raise EngineDeadError, which carries the steps already
+produced so that no finished request is lost.
+"""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from pathlib import Path
 
@@ -11,7 +19,7 @@ from transformers import AutoTokenizer
 from .config import EngineConfig
 from .default_model import default_model_path
 from .detokenizer import IncrementalDetokenizer, StopCheck, StopStringMatcher
-from .errors import InvalidRequestError
+from .errors import EngineDeadError, InvalidRequestError
 from .kv_cache import KVCacheManager
 from .model_runner import ModelRunner
 from .models import ModelArch
@@ -20,6 +28,11 @@ from .request import Request
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+
+log = logging.getLogger("engine")
+
+MAX_FAILED_STEPS = 3  # forward passes failing in a row before the engine declares itself dead
+PROMPT_DETOKENIZE_CONTEXT = 5  # prompt tokens the detokenizer sees before the output (as vLLM)
 
 
 class LLMEngine:
@@ -46,6 +59,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._pending_aborts: list[str] = []
         self._ids = itertools.count()
+        self._failed_steps = 0  # forward passes failed in a row
 
     # ---- public API ----------------------------------------------------------------------
     @property
@@ -66,17 +80,16 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError for a request that could never run."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Raise InvalidRequestError for a request that could never run; return its
+        parameters checked against the vocabulary (SamplingParams.for_vocab)."""
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         vocab = self.arch.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= vocab
+               for t in prompt_token_ids):
             raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
-        try:
-            params.check_vocab(vocab)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc).split(" ")[0], str(exc)) from None
+        params = params.for_vocab(vocab)
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
@@ -87,6 +100,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 "max_tokens", f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks "
                 f"but the cache has {self.kv_cache.num_blocks}")
+        return params
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None,
@@ -96,7 +110,7 @@ class LLMEngine:
             text, token_ids = prompt, self.tokenize(prompt)
         else:
             text, token_ids = None, list(prompt)
-        self.validate(token_ids, params)
+        params = self.validate(token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
@@ -104,7 +118,9 @@ class LLMEngine:
             request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
             arrival_time=arrival_time if arrival_time is not None else time.perf_counter(),
             eos_token_ids=self.eos_token_ids,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens,
+                token_ids[-PROMPT_DETOKENIZE_CONTEXT:]),
             stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output))
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -120,20 +136,51 @@ class LLMEngine:
         return self._apply_aborts()
 
     def step(self) -> list[GenerationStep]:
-        steps = self._apply_aborts()
-        schedule = self.scheduler.schedule()
-        if schedule.empty:
-            return steps
-        sampled = self.runner.execute(schedule)
-        now = time.perf_counter()
-        for s in schedule.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv_cache.cache_full_blocks(s.request)
-        for request_id, token in sampled.items():
-            steps.append(self._on_token(self._requests[request_id], token, now))
+        """One forward pass. Never raises for one request's fault (see the module docstring);
+        raises EngineDeadError when the engine cannot go on."""
+        steps: list[GenerationStep] = []
+        try:
+            self._step(steps)
+        except EngineDeadError as exc:
+            exc.steps[:0] = steps
+            raise
+        except Exception as exc:  # noqa: BLE001 - the scheduler or cache state is broken
+            log.exception("engine bookkeeping failed")
+            raise EngineDeadError(f"engine state is broken: {type(exc).__name__}: {exc}",
+                                  steps) from exc
         return steps
 
     # ---- internals -----------------------------------------------------------------------
+    def _step(self, steps: list[GenerationStep]) -> None:
+        steps.extend(self._apply_aborts())
+        schedule = self.scheduler.schedule()
+        if schedule.empty:
+            return
+        try:
+            sampled = self.runner.execute(schedule)
+        except Exception as exc:  # noqa: BLE001 - fail this batch, or the engine
+            self._failed_steps += 1
+            log.exception("forward pass failed (%d in a row)", self._failed_steps)
+            message = f"{type(exc).__name__}: {exc}"
+            if self.runner.is_device_fatal(exc) or self._failed_steps >= MAX_FAILED_STEPS:
+                raise EngineDeadError(message) from exc
+            steps.extend(self._fail(s.request, message) for s in schedule.scheduled)
+            return
+        self._failed_steps = 0
+        now = time.perf_counter()
+        for s in schedule.scheduled:
+            request = s.request
+            try:
+                request.num_computed_tokens += s.num_new_tokens
+                self.kv_cache.cache_full_blocks(request)
+                token = sampled.get(request.request_id)
+                if token is not None:
+                    steps.append(self._on_token(request, token, now))
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                log.exception("output processing failed for %s", request.request_id)
+                if request.request_id in self._requests:
+                    steps.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
+
     def _apply_aborts(self) -> list[GenerationStep]:
         steps = []
         pending, self._pending_aborts = self._pending_aborts, []
@@ -157,7 +204,9 @@ class LLMEngine:
             return self._finish(request, reason, now, drained.matched, drained.text)
 
         request.token_ids.append(token_id)
-        check = request.stop_matcher.feed(request.detokenizer.add_token(token_id))
+        # stop strings count from the min_tokens-th token on, as EOS does (vLLM's rule)
+        check = request.stop_matcher.feed(request.detokenizer.add_token(token_id),
+                                          match=request.num_output_tokens >= params.min_tokens)
         text, reason, matched = check.text, None, check.matched
         if matched is not None:
             reason = FinishReason.STOP
@@ -183,8 +232,12 @@ class LLMEngine:
             return held
         return StopCheck(held.text + request.stop_matcher.flush(), None)
 
+    def _fail(self, request: Request, message: str) -> GenerationStep:
+        return self._finish(request, FinishReason.ERROR, time.perf_counter(), error=message)
+
     def _finish(self, request: Request, reason: FinishReason, now: float,
-                matched: str | int | None = None, tail: str = "") -> GenerationStep:
+                matched: str | int | None = None, tail: str = "",
+                error: str | None = None) -> GenerationStep:
         self.scheduler.remove(request)
         del self._requests[request.request_id]
         timing = RequestTiming(
@@ -193,5 +246,5 @@ class LLMEngine:
             first_token=request.first_token_time or now,
             finish=now)
         completion = Completion(reason, request.num_prompt_tokens, request.num_output_tokens,
-                                timing, tail, matched)
+                                timing, tail, matched, error)
         return GenerationStep(request.request_id, None, completion)

@@ -73,6 +73,15 @@ class ModelRunner:
                           for _ in range(arch.num_layers)]
         self.sampler = Sampler(config.use_triton("sampler"), arch.vocab_size, config.seed)
 
+    @staticmethod
+    def is_device_fatal(exc: BaseException) -> bool:
+        """A fault after which the device cannot be trusted (a CUDA error or device-side
+        assert poisons the context): the engine must die and be restarted."""
+        accelerator_error = getattr(torch, "AcceleratorError", ())
+        text = str(exc)
+        return (isinstance(exc, accelerator_error) or "CUDA error" in text
+                or "device-side assert" in text)
+
     @torch.inference_mode()
     def execute(self, schedule: SchedulerOutput) -> dict[str, SampledToken]:
         model_input = self.prepare(schedule.scheduled)

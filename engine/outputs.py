@@ -10,6 +10,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # a stop string or stop token id matched
     LENGTH = "length"  # max_tokens (or max_model_len) reached: the last token is a real token
     ABORT = "abort"  # the caller aborted the request
+    ERROR = "error"  # the engine failed on this request; Completion.error says how
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Completion:
     timing: RequestTiming
     tail_text: str = ""
     matched_stop: str | int | None = None
+    error: str | None = None  # set when reason is ERROR
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class GenerationStep:
 
     token only: a token was sampled and the request goes on.
     token and completion: the token was the last one (length, or a stop string it completed).
-    completion only: the request ended without a token (EOS, stop token id, abort).
+    completion only: the request ended without a token (EOS, stop token id, abort, error).
     """
 
     request_id: str
@@ -98,3 +100,4 @@ class RequestOutput:
     finish_reason: FinishReason
     logprobs: list[TokenOutput] | None
     timing: RequestTiming
+    error: str | None = None  # why, when finish_reason is ERROR

@@ -30,7 +30,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading full blocks already registered in the prefix cache
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # sha256 chain, kv_cache.py
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0

@@ -59,6 +59,11 @@ class Sampler:
         logits = logits.float()
         device = logits.device
         params = [r.params for r in requests]
+        logprobs = None
+        if any(p.logprobs is not None for p in params):
+            # the model's raw distribution, before bias, min_tokens, penalties and temperature
+            # (vLLM's default logprobs mode)
+            logprobs = torch.log_softmax(logits, dim=-1)
         if any(p.logit_bias for p in params):
             bias = torch.zeros_like(logits)
             for row, p in enumerate(params):
@@ -72,10 +77,6 @@ class Sampler:
             logits[row, banned] = float("-inf")
         if any(p.needs_penalties for p in params):
             logits = self._penalise(logits, requests)
-
-        logprobs = None
-        if any(p.logprobs is not None for p in params):
-            logprobs = torch.log_softmax(logits, dim=-1)  # after penalties, before temperature
 
         if all(p.greedy for p in params):
             token_ids = logits.argmax(dim=-1)

@@ -1,14 +1,29 @@
-"""Per-request sampling parameters, validated with errors that name the parameter."""
+"""Per-request sampling parameters, validated with errors that name the parameter.
+
+Each range is the one in which every step stays finite in float32 and every value fits the
+tensor it is copied into, so a request that passes here can never fail a batch's step.
+"""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from .errors import InvalidRequestError
+
 MAX_LOGPROBS = 20
+# Below this, logits / T overflows float32 (vLLM raises such temperatures to the same floor).
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 100.0
+# Repetition penalty divides and multiplies logits: outside this range they reach 0 or inf.
+PENALTY_RANGE = (1e-2, 100.0)
+SEED_LIMIT = 1 << 64  # seeds are unsigned 64-bit
 
 
 def _fail(name: str, rule: str, value: object) -> None:
-    raise ValueError(f"{name} must be {rule}, got {value!r}")
+    shown = repr(value)
+    shown = shown if len(shown) <= 200 else shown[:200] + "..."
+    raise InvalidRequestError(name, f"{name} must be {rule}, got {shown}")
 
 
 def _check_number(name: str, value: object) -> float:
@@ -25,8 +40,8 @@ def _check_int(name: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = -1  # -1 or 0 = off
+    temperature: float = 1.0  # 0 = greedy; (0, 0.01) is raised to 0.01
+    top_k: int = -1  # -1 or 0 = off; at or above the vocabulary size = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off; >1 discourages tokens seen in prompt or output
@@ -45,8 +60,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         temperature = _check_number("temperature", self.temperature)
-        if temperature < 0:
-            _fail("temperature", ">= 0 (0 means greedy)", self.temperature)
+        if not 0 <= temperature <= MAX_TEMPERATURE:
+            _fail("temperature", f"in [0, {MAX_TEMPERATURE:g}] (0 means greedy)",
+                  self.temperature)
+        if 0 < temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if _check_int("top_k", self.top_k) < -1:
             _fail("top_k", "-1 (off), 0 (off) or a positive integer", self.top_k)
         top_p = _check_number("top_p", self.top_p)
@@ -54,13 +72,14 @@ class SamplingParams:
             _fail("top_p", "in (0, 1]", self.top_p)
         if not 0.0 <= _check_number("min_p", self.min_p) <= 1.0:
             _fail("min_p", "in [0, 1]", self.min_p)
-        if _check_number("repetition_penalty", self.repetition_penalty) <= 0:
-            _fail("repetition_penalty", "> 0", self.repetition_penalty)
+        low, high = PENALTY_RANGE
+        if not low <= _check_number("repetition_penalty", self.repetition_penalty) <= high:
+            _fail("repetition_penalty", f"in [{low:g}, {high:g}]", self.repetition_penalty)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= _check_number(name, getattr(self, name)) <= 2.0:
                 _fail(name, "in [-2, 2]", getattr(self, name))
-        if self.seed is not None and _check_int("seed", self.seed) < 0:
-            _fail("seed", "a non-negative integer", self.seed)
+        if self.seed is not None and not 0 <= _check_int("seed", self.seed) < SEED_LIMIT:
+            _fail("seed", "an integer in [0, 2**64)", self.seed)
         if _check_int("max_tokens", self.max_tokens) < 1:
             _fail("max_tokens", ">= 1", self.max_tokens)
         if _check_int("min_tokens", self.min_tokens) < 0 or self.min_tokens > self.max_tokens:
@@ -95,10 +114,14 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Token ids can only be checked once the model is known."""
+    def for_vocab(self, vocab_size: int) -> SamplingParams:
+        """These parameters checked against the model's vocabulary (token ids can only be
+        checked once the model is known), with a top_k that covers it switched off."""
         for name, ids in (("stop_token_ids", self.stop_token_ids),
                           ("logit_bias", tuple(self.logit_bias))):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
-                _fail(name, f"token ids below the vocabulary size {vocab_size}", bad)
+                _fail(name, f"token ids below the vocabulary size {vocab_size}", bad[:8])
+        if self.top_k >= vocab_size:
+            return dataclasses.replace(self, top_k=-1)
+        return self

@@ -155,3 +155,34 @@ def test_special_tokens_are_text_when_not_skipped(tiny_model):
                                                      logit_bias={special: 100.0},
                                                      skip_special_tokens=False))
     assert "".join(s.token.text for s in steps) == "<|im_start|>" * 2
+
+
+def test_min_tokens_holds_back_stop_strings(tiny_model):
+    """A stop string counts only from the min_tokens-th token on, as EOS does."""
+    engine = LLMEngine(build_config(tiny_model))
+    free = run_steps(engine, PROMPT, SamplingParams(temperature=0.0, max_tokens=8,
+                                                    ignore_eos=True))
+    stop = next(s.token.text for s in free if s.token.text.strip()).strip()
+    early = run_steps(engine, PROMPT, SamplingParams(temperature=0.0, max_tokens=8,
+                                                     ignore_eos=True, stop=[stop]))
+    first = early[-1].completion.output_tokens
+    assert early[-1].completion.reason is FinishReason.STOP
+    late = run_steps(engine, PROMPT, SamplingParams(temperature=0.0, max_tokens=8,
+                                                    ignore_eos=True, stop=[stop],
+                                                    min_tokens=first + 2))
+    assert late[-1].completion.output_tokens >= first + 2
+    text = "".join(s.token.text for s in late if s.token) + late[-1].completion.tail_text
+    assert stop in text  # the early occurrence was released, not matched
+
+
+def test_logprobs_are_the_raw_distribution(tiny_model):
+    """Logprobs are the model's, before logit_bias and penalties (vLLM's default)."""
+    engine = LLMEngine(build_config(tiny_model))
+    plain = run_steps(engine, PROMPT, SamplingParams(temperature=0.0, max_tokens=1,
+                                                     logprobs=3, ignore_eos=True))[0].token
+    biased = run_steps(engine, PROMPT, SamplingParams(
+        temperature=0.0, max_tokens=1, logprobs=3, ignore_eos=True, repetition_penalty=3.0,
+        logit_bias={plain.top_logprobs[1].token_id: 100.0}))[0].token
+    assert biased.token_id == plain.top_logprobs[1].token_id  # the bias chose the token...
+    assert biased.top_logprobs == plain.top_logprobs  # ...but the reported distribution is raw
+    assert biased.logprob == pytest.approx(plain.top_logprobs[1].logprob)

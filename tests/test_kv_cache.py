@@ -110,3 +110,18 @@ def test_prefix_hit_is_confirmed_and_never_covers_the_last_token():
     hog = make_request(3, [7] * 64, 1)
     assert kv.allocate(hog, 64)
     assert kv.find_cached_prefix(same) == []
+
+
+def test_prefix_keys_are_sha256_chains_and_a_hit_compares_content(monkeypatch):
+    from engine.kv_cache import BlockKey
+    key = BlockKey(None, (1, 2, 3, 4))
+    assert len(key.digest) == 32 and key.digest != BlockKey(key.digest, (1, 2, 3, 4)).digest
+    kv = KVCacheManager(16, 4, enable_prefix_caching=True)
+    first = make_request(0, list(range(12)), 2)
+    assert kv.allocate(first, 12)
+    first.num_computed_tokens = 12
+    kv.cache_full_blocks(first)
+    # force every digest to collide: a crafted prompt must still not splice first's KV in
+    monkeypatch.setattr(BlockKey, "digest", property(lambda self: b"\x00" * 32))
+    other = make_request(1, [50 + t for t in range(12)], 2)
+    assert kv.find_cached_prefix(other) == []
