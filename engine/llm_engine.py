@@ -85,6 +85,10 @@ class LLMEngine:
         parameters checked against the vocabulary (SamplingParams.for_vocab)."""
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:  # before any per-token work
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_token_ids)} tokens leave no room for output within "
+                f"max_model_len {self.max_model_len}")
         vocab = self.arch.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= vocab
                for t in prompt_token_ids):

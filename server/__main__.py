@@ -13,7 +13,7 @@ from aiohttp import web
 from engine import LLMEngine
 from engine.llm import build_config
 
-from .app import build_app, drain
+from .app import DEFAULT_MAX_BODY_BYTES, build_app, drain
 from .common import STATE
 
 
@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
     p.add_argument("--max-waiting", type=int, default=256,
                    help="waiting requests beyond this get HTTP 503 at once")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="request bodies larger than this get HTTP 413")
     p.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds SIGTERM lets running streams finish")
     p.add_argument("--seed", type=int, default=0)
@@ -71,7 +73,8 @@ async def serve_http(app: web.Application, args: argparse.Namespace,
 
 def main(argv: list[str] | None = None) -> int:
     """The engine steps on the main thread (see server/async_engine.py); the event loop runs
-    in a second thread. SIGTERM / SIGINT start the drain."""
+    in a second thread. SIGTERM / SIGINT start the drain. Exit status: 0 after a drain, 1 when
+    the engine died (every stream has its error event by then), 2 for a bad option."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args(argv)
     try:
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:  # a bad option or model folder
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    app = build_app(engine, args.max_waiting, engine_thread=False)
+    app = build_app(engine, args.max_waiting, engine_thread=False,
+                    max_body_bytes=args.max_body_bytes)
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     failure: list[BaseException] = []
@@ -98,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, on_signal)
     http_thread = threading.Thread(target=run_loop, name="http", daemon=True)
     http_thread.start()
-    app[STATE].engine.run()
+    async_engine = app[STATE].engine
+    async_engine.run()
+    if async_engine.dead is not None:  # drain what is left, then let a supervisor restart us
+        loop.call_soon_threadsafe(stop.set)
     http_thread.join(timeout=30)
     if failure:
         raise failure[0]
-    return 0
+    return 1 if async_engine.dead is not None else 0
 
 
 if __name__ == "__main__":

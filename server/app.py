@@ -8,7 +8,7 @@ from aiohttp import web
 
 from engine import InvalidRequestError, LLMEngine
 
-from .async_engine import AsyncEngine, OverloadedError
+from .async_engine import AsyncEngine, EngineUnavailableError, OverloadedError
 from .common import STATE, ApiError, ServerState, json_error
 from .metrics import Metrics
 from .routes_native import generate
@@ -27,13 +27,20 @@ async def json_errors(request: web.Request, handler):
         return json_error(400, "invalid_request", str(exc), exc.param)
     except OverloadedError as exc:
         return json_error(503, "overloaded", str(exc))
+    except EngineUnavailableError as exc:
+        return json_error(503, "engine_dead", str(exc))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(
             exc.status, "http_error")
         return json_error(exc.status, code, exc.reason)
-    except (asyncio.CancelledError, ConnectionResetError):
+    except ConnectionResetError:
+        # The client hung up; the route's `finally` has aborted its request. An ordinary
+        # event, not an error: no traceback. aiohttp fails to send this and closes quietly.
+        log.info("client hung up during %s %s", request.method, request.path)
+        return web.Response(status=499)
+    except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - never an HTML 500
         log.exception("unhandled error in %s", request.path)
@@ -42,6 +49,8 @@ async def json_errors(request: web.Request, handler):
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    if state.engine.dead is not None:
+        return json_error(503, "engine_dead", f"the engine died: {state.engine.dead}")
     if state.draining:
         return json_error(503, "shutting_down", "the server is shutting down")
     return web.json_response({"status": "ok", "model": state.model_name})
@@ -53,11 +62,15 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": state.metrics.content_type})
 
 
-def build_app(engine: LLMEngine, max_waiting: int = 256,
-              engine_thread: bool = True) -> web.Application:
-    """engine_thread=False leaves stepping the engine to the caller (AsyncEngine.run())."""
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def build_app(engine: LLMEngine, max_waiting: int = 256, engine_thread: bool = True,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+    """engine_thread=False leaves stepping the engine to the caller (AsyncEngine.run()).
+    Bodies over max_body_bytes get 413 before they are parsed."""
     async_engine = AsyncEngine(engine, max_waiting)
-    app = web.Application(middlewares=[json_errors], client_max_size=16 * 1024 * 1024)
+    app = web.Application(middlewares=[json_errors], client_max_size=max_body_bytes)
     app[STATE] = ServerState(engine=async_engine, metrics=Metrics(async_engine),
                              model_name=engine.model_name)
 

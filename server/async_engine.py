@@ -8,6 +8,11 @@ main thread, 117 ms on a second one). Tests use start_thread() instead.
 New requests and aborts cross into the thread through a locked inbox and an Event (the
 thread sleeps while idle). Each engine step's GenerationSteps cross back in one
 call_soon_threadsafe per step, fanned out to per-request asyncio queues: no polling delay.
+
+When the engine dies (EngineDeadError: a device fault, or steps that keep failing), the steps
+it produced are delivered, every other stream ends with an `engine_dead` error, run() returns,
+and from then on `dead` is set: /health and new requests answer 503 and `python -m server`
+exits non-zero so that a supervisor restarts it.
 """
 from __future__ import annotations
 
@@ -15,16 +20,22 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine import GenerationStep, InvalidRequestError, LLMEngine, SamplingParams
+from engine import (EngineDeadError, GenerationStep, InvalidRequestError, LLMEngine,
+                    SamplingParams)
+
+from .prompts import PromptTokenizer
 
 log = logging.getLogger("server.engine")
 
 
 class OverloadedError(RuntimeError):
     """More requests wait than --max-waiting allows."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine died; the server takes no new requests."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,39 @@ class _NewRequest:
 StreamItem = GenerationStep | StreamFailure
 
 
+class RequestStream:
+    """The items of one request, as an async iterator. close() ends it: unless the last item
+    was seen, the request is aborted and its KV blocks freed. close() works at any point,
+    before the first item too, so a route that calls it in a `finally` leaks nothing."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str,
+                 queue: asyncio.Queue[StreamItem]) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self._finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamItem:
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, StreamFailure) or item.finished:
+            self._finished = True
+        return item
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._queues.pop(self.request_id, None)
+        if not self._finished:  # the consumer went away (client disconnect)
+            self._engine.abort(self.request_id)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
         self.engine = engine
@@ -60,6 +104,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_steps = 0
+        self.dead: str | None = None  # why the engine died, once it has
+        self.prompts = PromptTokenizer(engine.model_path, engine.max_model_len)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -73,6 +119,7 @@ class AsyncEngine:
         """Ends run() after its current step."""
         self._stopping = True
         self._wake.set()
+        self.prompts.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
 
@@ -85,14 +132,17 @@ class AsyncEngine:
         return len(self._inbox) + self.engine.num_waiting
 
     # ---- called on the event loop -------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.validate(prompt_token_ids, params)  # reads configuration only
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        return self.engine.validate(prompt_token_ids, params)  # reads configuration only
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               arrival_time: float) -> AsyncIterator[StreamItem]:
-        """Validate, admit and enqueue; raises InvalidRequestError or OverloadedError before
-        anything is enqueued. Closing the returned iterator early aborts the request."""
-        self.validate(prompt_token_ids, params)
+               arrival_time: float) -> RequestStream:
+        """Validate, admit and enqueue; raises InvalidRequestError, OverloadedError or
+        EngineUnavailableError before anything is enqueued. Close the returned stream in a
+        `finally`: closing it early aborts the request."""
+        if self.dead is not None:
+            raise EngineUnavailableError(f"the engine is dead ({self.dead}); restart the server")
+        params = self.validate(prompt_token_ids, params)
         if self.num_waiting >= self.max_waiting:
             raise OverloadedError(f"{self.num_waiting} requests are waiting "
                                   f"(--max-waiting {self.max_waiting})")
@@ -101,20 +151,7 @@ class AsyncEngine:
         with self._lock:
             self._inbox.append(_NewRequest(request_id, prompt_token_ids, params, arrival_time))
         self._wake.set()
-        return self._stream(request_id, queue)
-
-    async def _stream(self, request_id: str,
-                      queue: asyncio.Queue[StreamItem]) -> AsyncIterator[StreamItem]:
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                finished = isinstance(item, StreamFailure) or item.finished
-                yield item
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:  # the consumer went away (client disconnect): free its blocks
-                self.abort(request_id)
+        return RequestStream(self, request_id, queue)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -139,6 +176,13 @@ class AsyncEngine:
                 if queue is not None:
                     queue.put_nowait(failure)
 
+    def _die(self, steps: list[GenerationStep], reason: str) -> None:
+        """On the event loop: deliver the dead engine's last steps, end every other stream."""
+        self.dead = reason
+        self._dispatch(steps, None, [])
+        failure = StreamFailure("engine_dead", f"the engine died: {reason}")
+        self._dispatch([], failure, list(self._queues))
+
     # ---- the engine thread --------------------------------------------------------------
     def run(self) -> None:
         """The engine loop; blocks until stop()."""
@@ -153,9 +197,10 @@ class AsyncEngine:
                 try:
                     engine.add_request(new.prompt_token_ids, new.params, new.request_id,
                                        new.arrival_time)
-                except InvalidRequestError as exc:  # checked before; kept for safety
-                    self._post([], StreamFailure("invalid_request", str(exc)),
-                               [new.request_id])
+                except Exception as exc:  # noqa: BLE001 - checked before; this request alone
+                    code = ("invalid_request" if isinstance(exc, InvalidRequestError)
+                            else "engine_error")
+                    self._post([], StreamFailure(code, str(exc)), [new.request_id])
                     rejected.append(new.request_id)
             for request_id in aborts:
                 engine.abort(request_id)
@@ -169,13 +214,13 @@ class AsyncEngine:
                 continue
             try:
                 steps = engine.step()
-                self.num_steps += 1
-            except Exception as exc:  # noqa: BLE001 - any engine fault ends the affected streams
-                log.exception("engine step failed")
-                ended = [s.request_id for s in engine.abort_all()]
-                self._post([], StreamFailure("engine_error", f"{type(exc).__name__}: {exc}"),
-                           ended)
-                continue
+            except EngineDeadError as exc:
+                log.critical("the engine died: %s", exc)
+                self.dead = str(exc)
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._die, exc.steps, str(exc))
+                return
+            self.num_steps += 1
             self._post(steps, None, [])
 
     def _post(self, steps: list[GenerationStep], failure: StreamFailure | None,

@@ -2,17 +2,22 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from engine import Completion, FinishReason, SamplingParams
+from engine import Completion, FinishReason, InvalidRequestError, SamplingParams
 
 from .async_engine import AsyncEngine, StreamFailure, StreamItem
 from .metrics import Metrics
+from .prompts import check_text
 from .schema import SamplingFields, StreamDoneEvent, StreamErrorEvent
+
+# a \uD800-\uDFFF escape: only then can the parsed body hold a lone surrogate
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 class ApiError(Exception):
@@ -51,14 +56,36 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+def _check_strings(value, path: str) -> None:
+    """400 naming the field of the first string (or key) that is not valid Unicode."""
+    if isinstance(value, str):
+        check_text(path or "body", value)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_strings(item, f"{path}.{i}" if path else str(i))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            field = f"{path}.{key}" if path else key
+            check_text(path or "body", key)
+            _check_strings(item, field)
+
+
 async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
+    """The body (at most --max-body-bytes, else 413) as `model`, or a 400 naming the field."""
     raw = await request.read()
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "invalid_json", "request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_json", "request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            _check_strings(data, "")
+        except InvalidRequestError as exc:
+            raise ApiError(400, "invalid_request", str(exc), exc.param) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -81,8 +108,8 @@ def sampling_params(body: SamplingFields, logprobs: int | None,
             ignore_eos=body.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logit_bias=body.logit_bias or {}, skip_special_tokens=body.skip_special_tokens)
-    except ValueError as exc:
-        raise ApiError(400, "invalid_request", str(exc), str(exc).split(" ")[0]) from None
+    except InvalidRequestError as exc:
+        raise ApiError(400, "invalid_request", str(exc), exc.param) from None
 
 
 def done_event(done: Completion) -> StreamDoneEvent:
@@ -102,12 +129,14 @@ def failure_of(item: StreamItem) -> StreamErrorEvent | None:
         return StreamErrorEvent(code=item.code, message=item.message)
     if item.completion is not None and item.completion.reason is FinishReason.ABORT:
         return StreamErrorEvent(code="aborted", message="the request was aborted")
+    if item.completion is not None and item.completion.reason is FinishReason.ERROR:
+        return StreamErrorEvent(code="engine_error", message=item.completion.error or "")
     return None
 
 
 def failure_response(failure: StreamErrorEvent, request_id: str) -> web.Response:
     """Non-streaming answers never report a failure under HTTP 200."""
-    status = 503 if failure.code == "shutting_down" else 500
+    status = 503 if failure.code in ("shutting_down", "engine_dead") else 500
     return json_error(status, failure.code, failure.message,
                       headers={"X-Request-Id": request_id})
 

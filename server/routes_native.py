@@ -25,31 +25,31 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise ApiError(503, "shutting_down", "the server is shutting down")
     body = await parse_body(request, GenerateRequest)
     params = sampling_params(body, body.logprobs)
-    prompt_ids = (state.engine.engine.tokenize(body.prompt) if isinstance(body.prompt, str)
-                  else list(body.prompt))
+    prompt_ids = (await state.engine.prompts.encode(body.prompt)
+                  if isinstance(body.prompt, str) else list(body.prompt))
     request_id = new_request_id("gen")
     items = state.engine.submit(request_id, prompt_ids, params, arrival)
-    if body.stream:
-        return await _stream(request, state, request_id, items)
-    return await _collect(state, request_id, items)
+    try:  # from here on, however the handler ends (a hang-up included), the request ends
+        if body.stream:
+            return await _stream(request, state, request_id, items)
+        return await _collect(state, request_id, items)
+    finally:
+        items.close()
 
 
 async def _stream(request, state, request_id, items) -> web.StreamResponse:
     response = await open_sse(request, request_id)
-    try:
-        async for item in items:
-            failure = failure_of(item)
-            if failure is not None:
-                state.metrics.observe_failure(failure.code)
-                await send_sse(response, failure.model_dump())
-                break
-            if item.token is not None:
-                await send_sse(response, token_event(item.token).model_dump(exclude_none=True))
-            if item.completion is not None:
-                state.metrics.observe_completion(item.completion)
-                await send_sse(response, done_event(item.completion).model_dump())
-    finally:
-        await items.aclose()
+    async for item in items:
+        failure = failure_of(item)
+        if failure is not None:
+            state.metrics.observe_failure(failure.code)
+            await send_sse(response, failure.model_dump())
+            break
+        if item.token is not None:
+            await send_sse(response, token_event(item.token).model_dump(exclude_none=True))
+        if item.completion is not None:
+            state.metrics.observe_completion(item.completion)
+            await send_sse(response, done_event(item.completion).model_dump())
     await response.write_eof()
     return response
 

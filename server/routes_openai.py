@@ -36,16 +36,16 @@ def _usage(done) -> dict:
 class _Dialect:
     """What differs between the completion and chat framings."""
 
-    def __init__(self, chat: bool, tokenizer, want_logprobs: bool) -> None:
+    def __init__(self, chat: bool, prompts, want_logprobs: bool) -> None:
         self.chat = chat
-        self.tokenizer = tokenizer
+        self.prompts = prompts
         self.want_logprobs = want_logprobs
         self.object = "chat.completion" if chat else "text_completion"
 
     def logprobs(self, tokens) -> dict | None:
         if not self.want_logprobs or not tokens:
             return None
-        piece = lambda i: self.tokenizer.decode([i])  # noqa: E731
+        piece = self.prompts.decode_token
         if self.chat:
             return {"content": [{"token": piece(t.token_id), "logprob": t.logprob,
                                  "top_logprobs": [{"token": piece(a.token_id),
@@ -84,10 +84,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if len(prompt) != 1:
             raise ApiError(400, "invalid_request", "only one prompt per request", "prompt")
         prompt = prompt[0]
-    engine = state.engine.engine
-    prompt_ids = engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    prompts = state.engine.prompts
+    prompt_ids = await prompts.encode(prompt) if isinstance(prompt, str) else list(prompt)
     params = sampling_params(body, body.logprobs)
-    dialect = _Dialect(False, engine.tokenizer, body.logprobs is not None)
+    dialect = _Dialect(False, prompts, body.logprobs is not None)
     return await _serve(request, state, arrival, prompt_ids, params, body, dialect, "cmpl")
 
 
@@ -96,21 +96,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = now()
     body = await parse_body(request, ChatCompletionRequest)
     _check_model(state, body.model)
-    engine = state.engine.engine
+    prompts = state.engine.prompts
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    try:
-        text = engine.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                    add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001 - a template that rejects the messages
-        raise ApiError(400, "invalid_request", f"chat template failed: {exc}",
-                       "messages") from None
-    prompt_ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    prompt_ids = await prompts.encode_chat(messages)
     max_tokens = body.max_completion_tokens or (
         body.max_tokens if "max_tokens" in body.model_fields_set
-        else max(1, engine.max_model_len - len(prompt_ids)))
+        else max(1, state.engine.engine.max_model_len - len(prompt_ids)))
     top = body.top_logprobs if body.logprobs else None
     params = sampling_params(body, (top or 0) if body.logprobs else None, max_tokens)
-    dialect = _Dialect(True, engine.tokenizer, body.logprobs)
+    dialect = _Dialect(True, prompts, body.logprobs)
     return await _serve(request, state, arrival, prompt_ids, params, body, dialect, "chatcmpl")
 
 
@@ -119,12 +113,15 @@ async def _serve(request, state, arrival, prompt_ids, params, body, dialect, pre
         raise ApiError(503, "shutting_down", "the server is shutting down")
     request_id = new_request_id(prefix)
     items = state.engine.submit(request_id, prompt_ids, params, arrival)
-    created = int(time.time())
-    head = {"id": request_id, "created": created, "model": state.model_name}
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(request, state, items, head, dialect, include_usage)
-    return await _collect(state, items, head, dialect)
+    try:  # from here on, however the handler ends (a hang-up included), the request ends
+        created = int(time.time())
+        head = {"id": request_id, "created": created, "model": state.model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await _stream(request, state, items, head, dialect, include_usage)
+        return await _collect(state, items, head, dialect)
+    finally:
+        items.close()
 
 
 async def _stream(request, state, items, head, dialect, include_usage):
@@ -133,30 +130,27 @@ async def _stream(request, state, items, head, dialect, include_usage):
                   else dialect.object}
     extra = {"usage": None} if include_usage else {}
     first = True
-    try:
-        async for item in items:
-            failure = failure_of(item)
-            if failure is not None:
-                state.metrics.observe_failure(failure.code)
-                await send_sse(response, error_body(failure.code, failure.message,
-                                                    kind="server_error"))
-                break
-            if item.token is not None:
-                choice = dialect.chunk_choice(item.token.text, None, [item.token], first)
-                await send_sse(response, {**chunk_head, "choices": [choice], **extra})
-                first = False
-            if item.completion is not None:
-                done = item.completion
-                state.metrics.observe_completion(done)
-                choice = dialect.chunk_choice(done.tail_text, OPENAI_REASON[done.reason], [],
-                                              first)
-                await send_sse(response, {**chunk_head, "choices": [choice], **extra})
-                if include_usage:
-                    await send_sse(response, {**chunk_head, "choices": [],
-                                              "usage": _usage(done)})
-        await send_sse(response, "[DONE]")
-    finally:
-        await items.aclose()
+    async for item in items:
+        failure = failure_of(item)
+        if failure is not None:
+            state.metrics.observe_failure(failure.code)
+            await send_sse(response, error_body(failure.code, failure.message,
+                                                kind="server_error"))
+            break
+        if item.token is not None:
+            choice = dialect.chunk_choice(item.token.text, None, [item.token], first)
+            await send_sse(response, {**chunk_head, "choices": [choice], **extra})
+            first = False
+        if item.completion is not None:
+            done = item.completion
+            state.metrics.observe_completion(done)
+            choice = dialect.chunk_choice(done.tail_text, OPENAI_REASON[done.reason], [],
+                                          first)
+            await send_sse(response, {**chunk_head, "choices": [choice], **extra})
+            if include_usage:
+                await send_sse(response, {**chunk_head, "choices": [],
+                                          "usage": _usage(done)})
+    await send_sse(response, "[DONE]")
     await response.write_eof()
     return response
 

@@ -12,10 +12,10 @@ from server.app import build_app
 
 
 class ServerThread:
-    def __init__(self, engine, max_waiting: int = 256) -> None:
+    def __init__(self, engine, max_waiting: int = 256, **app_options) -> None:
         self.engine = engine
         self.loop = asyncio.new_event_loop()
-        self.app = build_app(engine, max_waiting)
+        self.app = build_app(engine, max_waiting, **app_options)
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()

@@ -13,9 +13,24 @@ from tests.server_util import request, sse_payloads
 from tests.test_server import free_port, validate_native
 
 
-def start_server(model: str, *extra: str) -> tuple[subprocess.Popen, int]:
+# `python -m server` whose every forward pass hits a device fault (patched in before main)
+DEVICE_FAULT = """
+import sys
+import engine.model_runner as runner
+import server.__main__ as main
+
+def execute(self, schedule):
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+runner.ModelRunner.execute = execute
+sys.exit(main.main(sys.argv[1:]))
+"""
+
+
+def start_server(model: str, *extra: str, program: tuple[str, ...] = ("-m", "server")
+                 ) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "server", "--model", model, "--port",
+    proc = subprocess.Popen([sys.executable, *program, "--model", model, "--port",
                              str(port), *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -83,6 +98,41 @@ def test_sigterm_grace_period_lets_streams_complete(tiny_model):
         events = validate_native(sse_payloads(raw))
         assert events[-1].type == "done" and events[-1].output_tokens == 60
         assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_exits_at_once_after_30_instant_hang_ups(tiny_model):
+    """Hang-ups before the response headers abort their requests: nothing is left for the
+    drain to wait for (it used to wait out the whole grace period)."""
+    from tests.test_server_faults import hang_up_at_once
+    proc, port = start_server(tiny_model, "--grace-period", "30")
+    try:
+        for i in range(30):
+            hang_up_at_once(port, {"prompt": f"gone {i}", "max_tokens": 480,
+                                   "temperature": 0, "ignore_eos": True, "stream": True})
+        time.sleep(1.0)
+        started = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert time.perf_counter() - started < 2.0
+        assert "Traceback" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_a_dead_engine_ends_its_streams_and_exits_1(tiny_model):
+    proc, port = start_server(tiny_model, program=("-c", DEVICE_FAULT))
+    try:
+        status, _, raw = request(port, "POST", "/generate", {
+            "prompt": "x", "max_tokens": 4, "stream": True})
+        events = validate_native(sse_payloads(raw))
+        assert events[-1].type == "error" and events[-1].code == "engine_dead"
+        assert proc.wait(timeout=30) == 1
     finally:
         if proc.poll() is None:
             proc.kill()
