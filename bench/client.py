@@ -31,8 +31,10 @@ class RequestRecord:
 
 
 def build_payload(endpoint: str, req: BenchRequest, model: str | None,
-                  ignore_eos: bool) -> tuple[str, dict]:
-    common = {"max_tokens": req.output_len, "temperature": 0.0, "stream": True}
+                  ignore_eos: bool, sampling: dict | None = None) -> tuple[str, dict]:
+    """sampling: fields such as temperature and top_p; those left out take the server's
+    defaults."""
+    common = {"max_tokens": req.output_len, "stream": True, **(sampling or {})}
     if ignore_eos:
         common["ignore_eos"] = True
     if endpoint == "native":
@@ -63,8 +65,9 @@ async def iter_sse(response: aiohttp.ClientResponse):
 
 
 async def send(session: aiohttp.ClientSession, base_url: str, endpoint: str,
-               req: BenchRequest, model: str | None, ignore_eos: bool) -> RequestRecord:
-    path, payload = build_payload(endpoint, req, model, ignore_eos)
+               req: BenchRequest, model: str | None, ignore_eos: bool,
+               sampling: dict | None = None) -> RequestRecord:
+    path, payload = build_payload(endpoint, req, model, ignore_eos, sampling)
     validator = (NativeValidator() if endpoint == "native"
                  else OpenAIValidator(chat=endpoint == "chat", expect_usage=True))
     record = RequestRecord()

@@ -2,6 +2,7 @@
 
 python -m bench profile [--model PATH] [--num-prompts 64] [--input-len 100 |
     --input-range 50:400] [--steps 30] [--profile-steps 5] [--rows 15]
+    [--temperature 1.0] [--top-p 1.0] [--greedy]
 
 Adds the prompts, steps until every one is decoding, times --steps decode steps, then runs
 --profile-steps more under torch.profiler and prints its per-op table (self CPU time). Every
@@ -23,17 +24,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--greedy", action="store_true", help="temperature 0")
     args = parser.parse_args(argv)
 
     from torch.profiler import ProfilerActivity, profile
 
-    from engine import LLM, SamplingParams
+    from engine import LLM
+
+    from .throughput import sampling
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts)
     engine = llm.engine
     lengths = prompt_lengths(args.num_prompts, args.input_len, args.input_range, args.seed)
     # enough output tokens that nobody finishes during the measured steps
-    params = SamplingParams(temperature=0.0, ignore_eos=True,
-                            max_tokens=args.steps + args.profile_steps + 8)
+    params = sampling(args, args.steps + args.profile_steps + 8, greedy=args.greedy)
     for prompt in make_prompts(llm.tokenizer, args.num_prompts, lengths, args.seed):
         engine.add_request(prompt, params)
 
@@ -54,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
     print(f"prefill: {sum(lengths)} prompt tokens in {prefill_steps} steps, {prefill_s:.2f} s")
     print(f"decode:  {step_ms:.1f} ms per step at batch {args.num_prompts} "
-          f"(mean of {args.steps}); per-op table over {args.profile_steps} steps:")
+          f"(mean of {args.steps}; temperature {params.temperature:g}, top_p "
+          f"{params.top_p:g}); per-op table over {args.profile_steps} steps:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
     return 0

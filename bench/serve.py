@@ -121,6 +121,12 @@ class Progress:
         sys.stderr.flush()
 
 
+def sampling_fields(args) -> dict:
+    """The sampling fields to send: only those given, so the rest are the server's defaults."""
+    return {name: value for name, value in (("temperature", args.temperature),
+                                            ("top_p", args.top_p)) if value is not None}
+
+
 async def run(args, requests) -> tuple[list[RequestRecord], float]:
     gaps = arrival_gaps(len(requests), args.request_rate, args.seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
@@ -131,7 +137,7 @@ async def run(args, requests) -> tuple[list[RequestRecord], float]:
         async def one(req):
             async with limit:
                 record = await send(session, args.base_url, args.endpoint, req, args.model,
-                                    not args.no_ignore_eos)
+                                    not args.no_ignore_eos, sampling_fields(args))
             progress.update(record)
             return record
 
@@ -173,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-json", default=None)
     p.add_argument("--plot", default=None)
     p.add_argument("--no-ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sent with every request; without it, the server's default")
+    p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--timeout", type=float, default=3600)
     args = p.parse_args(argv)
     args.base_url = args.base_url.rstrip("/")

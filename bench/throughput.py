@@ -2,9 +2,11 @@
 
 python -m bench throughput [--model PATH] [--num-prompts 64] [--output-len 128]
     [--input-len 100 | --input-range 50:400] [--hf-batch-size 64] [--skip-hf]
+    [--temperature 1.0] [--top-p 1.0]
 
-Both run greedy, same dtype, EOS ignored so every request produces --output-len tokens.
-transformers runs batched with left padding. The compute ceiling is measured here with a
+The engine runs twice: greedy, then with the sampling options (by default the server's
+default sampling, temperature 1.0). transformers runs greedy, same dtype, batched with left
+padding. EOS is ignored so every request produces --output-len tokens. The compute ceiling is measured here with a
 large fp32 matmul (the faster of torch's BLAS and the engine's oneDNN linear); the
 engine's fraction of it is model FLOPs per token x tokens/s over it.
 """
@@ -44,6 +46,17 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=100)
     parser.add_argument("--input-range", default=None, help="MIN:MAX uniform prompt lengths")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sampled run (default: the server's default sampling)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+
+
+def sampling(args: argparse.Namespace, max_tokens: int, greedy: bool = False):
+    from engine import SamplingParams
+    if greedy:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                          max_tokens=max_tokens, ignore_eos=True)
 
 
 def prompt_lengths(num: int, input_len: int, input_range: str | None, seed: int) -> list[int]:
@@ -61,9 +74,8 @@ def make_prompts(tokenizer, num: int, lengths: list[int], seed: int) -> list[lis
     return [[rng.choice(vocab[100:]) for _ in range(n)] for n in lengths[:num]]
 
 
-def run_engine(llm, prompts: list[list[int]], output_len: int) -> float:
-    from engine import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def run_engine(llm, prompts: list[list[int]], params) -> float:
+    output_len = params.max_tokens
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -107,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     model_path = str(llm.engine.model_path)
     lengths = prompt_lengths(args.num_prompts, args.input_len, args.input_range, args.seed)
     prompts = make_prompts(llm.tokenizer, args.num_prompts, lengths, args.seed)
-    run_engine(llm, prompts[:2], 4)  # warm-up
-    engine_tps = run_engine(llm, prompts, args.output_len)
+    run_engine(llm, prompts[:2], sampling(args, 4))  # warm-up
+    engine_tps = run_engine(llm, prompts, sampling(args, args.output_len, greedy=True))
+    sampled_tps = run_engine(llm, prompts, sampling(args, args.output_len))
     rates = measure_matmul_gflops()
     gflops = max(rates.values())
     flops_per_token = llm.engine.arch.flops_per_token()
@@ -116,10 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         "model": llm.engine.model_name, "num_prompts": args.num_prompts,
         "input_lens": f"{min(lengths)}-{max(lengths)}", "output_len": args.output_len,
         "dtype": args.dtype, "engine_tok_s": round(engine_tps, 1),
+        "sampled": {"temperature": args.temperature, "top_p": args.top_p,
+                    "engine_tok_s": round(sampled_tps, 1),
+                    "vs_greedy": round(sampled_tps / engine_tps, 3)},
         "matmul_gflops": {name: round(rate, 1) for name, rate in rates.items()},
         "engine_fraction_of_ceiling": round(engine_tps * flops_per_token / (gflops * 1e9), 3),
     }
-    print(f"engine:        {engine_tps:8.1f} output tok/s")
+    print(f"engine:        {engine_tps:8.1f} output tok/s (greedy)")
+    print(f"engine:        {sampled_tps:8.1f} output tok/s (temperature {args.temperature:g}, "
+          f"top_p {args.top_p:g}: {sampled_tps / engine_tps:.2f}x greedy)")
     if not args.skip_hf:
         hf_tps = run_transformers(model_path, prompts, args.output_len, args.hf_batch_size,
                                   llm.engine.config.torch_dtype)

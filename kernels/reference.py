@@ -81,14 +81,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-CANDIDATES = 64  # rows with a filter look for their kept set among this many top tokens
-
-
 def _thresholds(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor) -> torch.Tensor:
     """Per-row probability threshold by a full sort: keep tokens with p >= threshold (ties
     kept). top-k, then top-p over the top-k mass, then min-p relative to the top probability.
-    The exact path, for the rows whose kept set the candidates do not cover."""
+    The definition the fast path below matches, and its fallback."""
     vocab = probs.shape[-1]
     sorted_probs, _ = probs.sort(dim=-1, descending=True)  # [B, V]
     k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k).long()
@@ -102,6 +99,14 @@ def _thresholds(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return torch.maximum(torch.maximum(t_k, t_p), t_m)
 
 
+_GAMMA = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as int64: the next counter of a seed
+
+
+def next_counter(seeds: torch.Tensor, n: int) -> torch.Tensor:
+    """The n-th further counter of each seed (int64 arithmetic wraps)."""
+    return seeds + torch.tensor(_GAMMA, dtype=torch.int64, device=seeds.device) * n
+
+
 def uniform_from_seeds(seeds: torch.Tensor) -> torch.Tensor:
     """[B] int64 seeds -> [B] float64 uniforms in [0, 1): splitmix64's finaliser, a
     counter-based generator (the same seed gives the same number on any device, in any
@@ -113,91 +118,97 @@ def uniform_from_seeds(seeds: torch.Tensor) -> torch.Tensor:
     return ((x >> 11) & ((1 << 53) - 1)).double() * (1.0 / (1 << 53))
 
 
-def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """weights [R, N] >= 0 (not normalised), u [R] in [0, 1) -> [R] column whose cumulative
-    weight first exceeds u x the row's total: exact sampling with one uniform per row, in
-    any column order. Zero-weight columns are never chosen."""
-    cumulative = weights.cumsum(dim=-1)
-    target = (u * cumulative[:, -1].double()).to(cumulative.dtype)
-    index = torch.searchsorted(cumulative, target[:, None], right=True).squeeze(1)
-    return index.clamp(max=weights.shape[-1] - 1)
+_CHUNK = 256
 
 
-def _sample_full_rows(scaled: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Temperature only: softmax(scaled) sampled by inverse CDF over the vocabulary in its own
-    order: exp, cumsum, a binary search. No sort and one random number per row."""
-    weights = (scaled - scaled.max(dim=-1, keepdim=True).values).exp_()
-    return _inverse_cdf(weights, u)
+def draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """weights [R, V] >= 0 (not normalised), u [R] in [0, 1) -> [R] token drawn with
+    probability weight / row total (inverse CDF). Two levels, so nothing [R, V]-sized is
+    written: sums of 256-token chunks, a search among them, then a cumulative sum inside the
+    chosen chunk only. A zero-weight token is never drawn."""
+    rows, vocab = weights.shape
+    if rows == 0:
+        return torch.empty(0, dtype=torch.int64, device=weights.device)
+    pad = (-vocab) % _CHUNK
+    padded = torch.nn.functional.pad(weights, (0, pad)) if pad else weights
+    chunks = padded.view(rows, -1, _CHUNK)  # [R, C, 256]
+    cumulative = chunks.sum(dim=-1).double().cumsum(dim=-1)  # [R, C]
+    target = u * cumulative[:, -1]
+    chunk = torch.searchsorted(cumulative, target[:, None], right=True).squeeze(1)
+    chunk = chunk.clamp(max=cumulative.shape[1] - 1)
+    before = torch.where(chunk > 0, cumulative.gather(1, (chunk - 1).clamp(min=0)[:, None])
+                         .squeeze(1), 0.0)
+    inner = chunks[torch.arange(rows, device=weights.device), chunk].double().cumsum(dim=-1)
+    # rounding between the two levels must not push the target past the chunk's last token
+    rest = torch.minimum(target - before, torch.nextafter(inner[:, -1], torch.zeros_like(before)))
+    offset = torch.searchsorted(inner, rest[:, None], right=True).squeeze(1)
+    return chunk * _CHUNK + offset.clamp(max=_CHUNK - 1)
 
 
-def _sample_filtered_rows(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                          min_p: torch.Tensor, u: torch.Tensor, candidates: int
-                          ) -> torch.Tensor:
-    """top-k / top-p / min-p rows: the thresholds are found among the top `candidates`
-    tokens (torch.topk, no sort of the vocabulary). A row whose kept set may reach past the
-    candidates (top_p not covered by them, or min_p keeping the last one) takes the exact
-    full-sort path."""
-    rows, vocab = scaled.shape
+MAX_ATTEMPTS = 16  # top-p draws per row before the full-sort fallback
+
+
+def _sample_rows(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] softmax(logits / T) -> [R] tokens of the filtered distribution, with no
+    sort of the vocabulary. top-k and min-p are thresholds (top-k's from torch.topk, only for
+    the rows that ask); top-p by rejection: draw from the top-k / min-p set and keep the draw
+    when the mass of the tokens more likely than it is below top_p x the top-k mass (exactly
+    the rule of the sorted definition), else draw again with the seed's next counter. A draw
+    is kept with probability >= top_p, so 0.95 needs 1.05 draws on average."""
+    rows, vocab = probs.shape
     k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k).long()  # [R]
-    width = min(vocab, max(candidates, int(torch.where(k < vocab, k, 0).max())))
-    values, columns = scaled.topk(width, dim=-1)  # [R, W], sorted descending
-    shifted = scaled - values[:, :1]
-    total = shifted.exp().sum(dim=-1)  # [R] softmax normaliser over the whole row
-    probs = values.sub(values[:, :1]).exp_() / total[:, None]  # [R, W]
-    in_k = torch.arange(width, device=scaled.device)[None, :] < k[:, None]
-    t_k = torch.where(k <= width, probs.gather(1, (k.clamp(max=width) - 1)[:, None])
-                      .squeeze(1), 0.0)
-    kept_by_k = torch.where(in_k, probs, 0.0)
-    mass_k = torch.where(k < vocab, kept_by_k.sum(dim=-1), 1.0)
-    cumulative = kept_by_k.cumsum(dim=-1)
-    target = top_p.float() * mass_k
-    covered = (top_p >= 1.0) | (cumulative[:, -1] >= target)
-    first = (cumulative < target[:, None]).sum(dim=-1).clamp(max=width - 1)
-    t_p = torch.where(top_p >= 1.0, 0.0, probs.gather(1, first[:, None]).squeeze(1))
-    threshold = torch.maximum(torch.maximum(t_k, t_p), min_p.float() * probs[:, 0])
-    reaches_past = (width < vocab) & (k > width) & (probs[:, -1] >= threshold)
-    exact = ~covered | reaches_past
-    weights = torch.where(probs >= threshold[:, None], probs, 0.0)
-    tokens = columns.gather(1, _inverse_cdf(weights, u)[:, None]).squeeze(1)
-    if bool(exact.any()):
-        rows_exact = exact.nonzero().squeeze(1)
-        full = torch.softmax(scaled[rows_exact], dim=-1)
-        keep = full >= _thresholds(full, top_k[rows_exact], top_p[rows_exact],
-                                   min_p[rows_exact])[:, None]
-        tokens[rows_exact] = _inverse_cdf(torch.where(keep, full, 0.0), u[rows_exact])
+    threshold = min_p.float() * probs.amax(dim=-1)  # [R]
+    mass_k = torch.ones(rows, dtype=probs.dtype, device=probs.device)
+    if bool((k < vocab).any()):
+        values = probs.topk(int(torch.where(k < vocab, k, 1).max()), dim=-1).values
+        t_k = torch.where(k < vocab, values.gather(1, (k.clamp(max=values.shape[1]) - 1)
+                                                   [:, None]).squeeze(1), 0.0)
+        threshold = torch.maximum(threshold, t_k)
+        mass_k = torch.where(k < vocab, torch.where(probs >= t_k[:, None], probs, 0.0)
+                             .sum(dim=-1), 1.0)
+    weights = probs
+    if bool((threshold > 0).any()):
+        weights = torch.where(probs >= threshold[:, None], probs, 0.0)
+    tokens = draw(weights, uniform_from_seeds(seeds))
+    pending = (top_p < 1.0).nonzero().squeeze(1)
+    target = top_p.to(probs.dtype) * mass_k
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        if pending.numel() == 0:
+            return tokens
+        p = probs[pending]
+        chosen = p.gather(1, tokens[pending][:, None])  # [P, 1]
+        above = torch.where(p > chosen, p, 0.0).sum(dim=-1)  # mass of more likely tokens
+        pending = pending[above >= target[pending]]
+        if pending.numel() and attempt < MAX_ATTEMPTS:
+            tokens[pending] = draw(weights[pending],
+                                   uniform_from_seeds(next_counter(seeds[pending], attempt)))
+    full = probs[pending]
+    keep = full >= _thresholds(full, top_k[pending], top_p[pending], min_p[pending])[:, None]
+    tokens[pending] = draw(torch.where(keep, full, 0.0),
+                           uniform_from_seeds(next_counter(seeds[pending], MAX_ATTEMPTS)))
     return tokens
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-           top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
-           candidates: int = CANDIDATES) -> torch.Tensor:
+           top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
     """logits [B, V]; per-row parameters [B]. Temperature 0 is an exact argmax. Otherwise a
-    token is drawn from the filtered softmax(logits / T) by inverse CDF with one counter-based
-    uniform per row (uniform_from_seeds): the same seed gives the same token in any batch.
-    Each row takes the cheapest path its parameters allow (see the two helpers above)."""
+    token is drawn from the filtered softmax(logits / T) by inverse CDF with counter-based
+    uniforms (uniform_from_seeds): the same seed gives the same token in any batch. No sort
+    and no [B, V] of random numbers: softmax, a chunked search, and for top-p one more pass
+    per draw (see _sample_rows)."""
     logits = logits.float()
     greedy = temperature <= 0
-    token_ids = logits.argmax(dim=-1)
     if bool(greedy.all()):
-        return token_ids
-    vocab = logits.shape[-1]
-    filtered = ~greedy & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0) | (min_p > 0.0))
-    plain = ~greedy & ~filtered
-    u = uniform_from_seeds(seeds.to(logits.device))
-    temp = torch.where(greedy, 1.0, temperature.float())[:, None]
-    for rows_mask, path in ((plain, None), (filtered, True)):
-        if not bool(rows_mask.any()):
-            continue
-        rows = None if bool(rows_mask.all()) else rows_mask.nonzero().squeeze(1)
-        pick = (lambda t: t) if rows is None else (lambda t: t[rows])
-        scaled = pick(logits) / pick(temp)
-        if path is None:
-            chosen = _sample_full_rows(scaled, pick(u))
-        else:
-            chosen = _sample_filtered_rows(scaled, pick(top_k), pick(top_p), pick(min_p),
-                                           pick(u), candidates)
-        if rows is None:
-            token_ids = chosen
-        else:
-            token_ids[rows] = chosen
-    return token_ids
+        return logits.argmax(dim=-1)
+    seeds = seeds.to(logits.device)
+    if bool(greedy.any()):
+        tokens = logits.argmax(dim=-1)
+        rows = (~greedy).nonzero().squeeze(1)
+        tokens[rows] = sample(logits[rows], temperature[rows], top_k[rows], top_p[rows],
+                              min_p[rows], seeds[rows])
+        return tokens
+    if bool((temperature != 1.0).any()):
+        logits = logits / temperature.float()[:, None]
+    probs = torch.softmax(logits, dim=-1)  # [B, V]
+    return _sample_rows(probs, top_k, top_p, min_p, seeds)

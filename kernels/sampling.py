@@ -127,15 +127,18 @@ def _sample_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
-           block_rows: int | None = None) -> torch.Tensor:
+           block_rows: int | None = None, block_v: int | None = None) -> torch.Tensor:
     """logits [B, V]; temperature, top_p, min_p float [B]; top_k int [B] (<= 0 off);
-    seeds int64 [B] -> token ids int64 [B]. The same seeds give the same tokens."""
+    seeds int64 [B] -> token ids int64 [B]. The same seeds give the same tokens.
+    block_rows / block_v default to the GPU's choice (the interpreter's when interpreting);
+    tests pass the GPU's to run its large-vocabulary path in the interpreter."""
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
         return out
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    block_v = min(triton.next_power_of_2(vocab), 1024 if interpreting() else 4096)
+    if block_v is None:
+        block_v = min(triton.next_power_of_2(vocab), 1024 if interpreting() else 4096)
     if block_rows is None:
         block_rows = 64 if interpreting() else (16 if vocab <= 2048 else 1)
     _sample_kernel[(triton.cdiv(batch, block_rows),)](

@@ -58,6 +58,8 @@ CASES = [
     (1.0, 0, 0.8, 0.0),
     (1.3, 0, 1.0, 0.1),
     (1.0, 8, 0.9, 0.05),
+    (2.0, 0, 0.3, 0.0),  # a small nucleus: several rejection draws per row
+    (0.5, 4, 1.0, 0.2),
 ]
 
 
@@ -80,6 +82,12 @@ def test_samples_follow_renormalised_distribution(name, temperature, top_k, top_
     dof = len(kept) - 1
     if dof:
         assert chi2 < CHI2_999[dof], f"chi2 {chi2:.1f} with {dof} dof"
+
+
+def test_rejection_fallback_follows_the_distribution(monkeypatch):
+    """With one top-p draw allowed, most rows take the full-sort fallback: still exact."""
+    monkeypatch.setattr(reference, "MAX_ATTEMPTS", 1)
+    test_samples_follow_renormalised_distribution("torch", 1.5, 0, 0.6, 0.0, "cpu")
 
 
 @pytest.mark.parametrize("name", SAMPLERS)
@@ -113,3 +121,34 @@ def test_mixed_rows_in_one_batch(name):
     assert int(tokens[2]) in logits[2].topk(3).indices.tolist()
     assert int(tokens[3]) == int(argmax[3])  # tiny top-p keeps only the top token
     assert int(tokens[4]) == int(argmax[4])  # min-p 1 keeps only the top token
+
+
+@pytest.mark.slow
+def test_gpu_large_vocabulary_path_in_the_interpreter():
+    """The shape the GPU takes for a large vocabulary (one row per program, 4096-wide chunks,
+    vocab > 4096 so the loops run twice) gives the right tokens."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = 5000
+    logits = torch.randn(3, vocab, generator=gen) * 3
+    logits[:, 4500] = logits.max() + 2  # the top token sits in the second chunk
+    temperature = torch.tensor([0.0, 1.0, 1.0])
+    top_k = torch.tensor([0, 3, 0], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 1.0, 1e-6])
+    min_p = torch.zeros(3)
+    seeds = torch.arange(3, dtype=torch.int64)
+    tokens = kernels.sample(logits, temperature, top_k, top_p, min_p, seeds, block_rows=1,
+                            block_v=4096)
+    assert int(tokens[0]) == 4500
+    assert int(tokens[1]) in logits[1].topk(3).indices.tolist()
+    assert int(tokens[2]) == 4500
+
+
+def test_seeded_uniforms_are_counter_based():
+    """One uniform per row from its seed alone, the same in any batch; spread over [0, 1)."""
+    seeds = torch.arange(20000, dtype=torch.int64) * 7919 + 13
+    u = reference.uniform_from_seeds(seeds)
+    assert torch.equal(reference.uniform_from_seeds(seeds[5:6]), u[5:6])
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    counts = torch.histc(u.float(), bins=10, min=0, max=1)
+    chi2 = float(((counts - 2000) ** 2 / 2000).sum())
+    assert chi2 < 27.88  # 9 dof, 0.999

@@ -131,7 +131,7 @@ def test_linear_matches_float64(dtype, tolerance, packed, rows):
     weight = torch.randn(160, 96, generator=generator).to(dtype) / 10
     bias = torch.randn(160, generator=generator).to(dtype)
     if packed and not can_prepack(weight):
-        pytest.skip("no oneDNN on this machine")
+        pytest.skip("oneDNN cannot prepack this dtype on this CPU")
     used = prepack_weight(weight, 64) if packed else weight
     for b in (None, bias):
         with torch.inference_mode():

@@ -24,16 +24,21 @@ class ForwardContext:
     backend: AttentionBackend
 
 
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-
-
 @functools.cache
 def _onednn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@functools.cache
+def _onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """fp32 always; bf16 only where oneDNN's bf16 kernels run (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT): on an AVX2-only CPU its bf16 reorder raises, so bf16 stays on F.linear."""
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
+
+
 def can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES
+    return (weight.device.type == "cpu" and weight.dtype in _onednn_dtypes()
             and _onednn_linear_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
@@ -59,7 +64,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError("prepacked CPU weights are for inference only")
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if (x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and not torch.is_grad_enabled()
+    if (x.device.type == "cpu" and x.dtype in _onednn_dtypes() and not torch.is_grad_enabled()
             and _onednn_linear_available()):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
