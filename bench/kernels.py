@@ -1,5 +1,6 @@
 """Kernel microbenchmarks: each Triton kernel against its torch reference (and decode
-attention against SDPA on a contiguous cache), with triton.testing.do_bench medians on CUDA.
+attention against SDPA on a contiguous cache; sampling against torch topk/sort + multinomial
+and FlashInfer, bench/sampling_baselines.py), with triton.testing.do_bench medians on CUDA.
 
 python -m bench kernels [--peak-gbps 4300] [--batch 64] [--context 4096] [--heads 32]
     [--kv-heads 8] [--head-dim 128] [--dtype bfloat16] [--block-size 16]
@@ -18,6 +19,8 @@ import torch
 
 import kernels
 from kernels import reference
+
+from .sampling_baselines import sampling_rows
 
 
 def timer(device: str):
@@ -112,18 +115,7 @@ def bench_all(args) -> list[dict]:
     add("store_kv_cache", "torch reference", measure(lambda: reference.store_kv_cache(
         k_new, k_new, k_cache, v_cache, slots)), wbytes)
 
-    logits = torch.randn(args.sample_batch, args.vocab, device=device)
-    b = args.sample_batch
-    params = (torch.full((b,), 0.8, device=device),
-              torch.full((b,), 50, dtype=torch.int32, device=device),
-              torch.full((b,), 0.9, device=device), torch.zeros(b, device=device),
-              torch.arange(b, device=device))
-    sbytes = b * args.vocab * 4
-    if device == "cuda":
-        add("sample top-k 50 + top-p 0.9", "triton", measure(
-            lambda: kernels.sample(logits, *params)), sbytes)
-    add("sample top-k 50 + top-p 0.9", "torch reference (sort)", measure(
-        lambda: reference.sample(logits, *params)), sbytes)
+    sampling_rows(args.sample_batch, args.vocab, device, measure, add)
     return rows
 
 
@@ -148,19 +140,20 @@ def main(argv: list[str] | None = None) -> int:
         keep_buffers_on_heap()  # as the engine does on the CPU
         print("no CUDA device: timing the torch reference paths only, at CPU-sized shapes")
     rows = bench_all(args)
-    print(f"{'kernel':<30}{'impl':<26}{'ms':>10}{'GB/s':>10}{'of peak':>9}")
+    print(f"{'kernel':<34}{'impl':<31}{'ms':>10}{'GB/s':>10}{'of peak':>9}")
     for r in rows:
-        print(f"{r['kernel']:<30}{r['impl']:<26}{r['ms']:>10.4f}{r['GB/s']:>10.1f}"
+        print(f"{r['kernel']:<34}{r['impl']:<31}{r['ms']:>10.4f}{r['GB/s']:>10.1f}"
               f"{r['peak_fraction']:>9.1%}" + (f"  {r['TFLOP/s']} TFLOP/s"
                                                 if "TFLOP/s" in r else ""))
     by_kernel: dict[str, dict[str, float]] = {}
     for r in rows:
         by_kernel.setdefault(r["kernel"], {})[r["impl"]] = r["ms"]
     for kernel, impls in by_kernel.items():
-        if "triton" in impls:
-            others = {k: v / impls["triton"] for k, v in impls.items() if k != "triton"}
-            print(f"{kernel}: triton speed-up " + ", ".join(f"{v:.2f}x vs {k}"
-                                                             for k, v in others.items()))
+        ours = "triton" if "triton" in impls else "torch (ours)"
+        if ours in impls and len(impls) > 1:
+            others = {k: v / impls[ours] for k, v in impls.items() if k != ours}
+            print(f"{kernel}: {ours} speed-up " + ", ".join(f"{v:.2f}x vs {k}"
+                                                           for k, v in others.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if cuda else "cpu",

@@ -5,7 +5,8 @@ python -m bench profile [--model PATH] [--num-prompts 64] [--input-len 100 |
     [--temperature 1.0] [--top-p 1.0] [--greedy]
 
 Adds the prompts, steps until every one is decoding, times --steps decode steps, then runs
---profile-steps more under torch.profiler and prints its per-op table (self CPU time). Every
+--profile-steps more under torch.profiler and prints the share of each phase of the step
+(prepare, forward, logits, sampler) and the per-op table (self CPU time). Every
 decode-step figure in docs/benchmarks.md was found this way.
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ import argparse
 import time
 
 from .throughput import add_workload_args, make_prompts, prompt_lengths
+
+PHASES = ("prepare", "forward", "logits", "sampler")  # record_function ranges, model_runner.py
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,11 +56,19 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()
     step_ms = (time.perf_counter() - start) / args.steps * 1e3
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
         for _ in range(args.profile_steps):
             engine.step()
+        profiled_ms = (time.perf_counter() - start) / args.profile_steps * 1e3
     print(f"prefill: {sum(lengths)} prompt tokens in {prefill_steps} steps, {prefill_s:.2f} s")
     print(f"decode:  {step_ms:.1f} ms per step at batch {args.num_prompts} "
           f"(mean of {args.steps}; temperature {params.temperature:g}, top_p "
           f"{params.top_p:g}); per-op table over {args.profile_steps} steps:")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    averages = prof.key_averages()
+    phases = {e.key: e.cpu_time_total / 1e3 / args.profile_steps for e in averages
+              if e.key in PHASES}
+    print(f"phases of a profiled step ({profiled_ms:.1f} ms, profiler on): " + ", ".join(
+        f"{name} {phases.get(name, 0.0):.1f} ms ({phases.get(name, 0.0) / profiled_ms:.1%})"
+        for name in PHASES))
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     return 0

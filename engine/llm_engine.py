@@ -244,6 +244,7 @@ class LLMEngine:
                 error: str | None = None) -> GenerationStep:
         self.scheduler.remove(request)
         del self._requests[request.request_id]
+        self.runner.release(request.request_id)
         timing = RequestTiming(
             arrival=request.arrival_time,
             first_scheduled=request.first_scheduled_time or now,

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from .attention import AttentionMetadata, make_attention_backend
 from .config import EngineConfig
@@ -71,7 +72,12 @@ class ModelRunner:
         self.kv_caches = [(allocate(shape, dtype=config.torch_dtype, device=self.device),
                            allocate(shape, dtype=config.torch_dtype, device=self.device))
                           for _ in range(arch.num_layers)]
-        self.sampler = Sampler(config.use_triton("sampler"), arch.vocab_size, config.seed)
+        self.sampler = Sampler(config.use_triton("sampler"), arch.vocab_size, config.seed,
+                               max_model_len, self.device)
+
+    def release(self, request_id: str) -> None:
+        """The request has ended: drop what the runner keeps for it (sampling rows)."""
+        self.sampler.release(request_id)
 
     @staticmethod
     def is_device_fatal(exc: BaseException) -> bool:
@@ -84,13 +90,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, schedule: SchedulerOutput) -> dict[str, SampledToken]:
-        model_input = self.prepare(schedule.scheduled)
+        # the record_function ranges name the phases in `bench profile` (no cost otherwise)
+        with record_function("prepare"):
+            model_input = self.prepare(schedule.scheduled)
         ctx = ForwardContext(model_input.meta, self.kv_caches, self.backend)
-        hidden = self.model(model_input.input_ids, model_input.positions, ctx)
+        with record_function("forward"):
+            hidden = self.model(model_input.input_ids, model_input.positions, ctx)
         if not model_input.sample_requests:
             return {}
-        logits = self.model.compute_logits(hidden[model_input.sample_indices])  # [S, V]
-        sampled = self.sampler(logits, model_input.sample_requests)
+        with record_function("logits"):
+            logits = self.model.compute_logits(hidden[model_input.sample_indices])  # [S, V]
+        with record_function("sampler"):
+            sampled = self.sampler(logits, model_input.sample_requests)
         return {r.request_id: s for r, s in zip(model_input.sample_requests, sampled)}
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInput:

@@ -190,25 +190,60 @@ def _sample_rows(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return tokens
 
 
+TOPK_CANDIDATES = 1024  # rows with 0 < top_k <= this sample among their topk candidates
+
+
+def _sample_candidates(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor, min_p: torch.Tensor,
+                       seeds: torch.Tensor) -> torch.Tensor:
+    """Rows whose top_k is small: topk(k_max) gives the candidates already sorted, so top-p
+    and min-p are exact on [R, k_max] (the sorted definition) and the vocabulary is read once,
+    with no softmax over it."""
+    values, ids = logits.topk(int(top_k.max()), dim=-1)  # [R, K], descending
+    e = torch.exp((values - values[:, :1]) / temperature.float()[:, None])  # p / p_max
+    rank = torch.arange(values.shape[1], device=logits.device)
+    e = torch.where(rank[None, :] < top_k[:, None], e, 0.0)
+    before = e.cumsum(dim=-1) - e  # mass of the more likely candidates
+    keep = (before < top_p.float()[:, None] * e.sum(dim=-1, keepdim=True))
+    keep &= e >= min_p.float()[:, None]
+    chosen = draw(torch.where(keep, e, 0.0), uniform_from_seeds(seeds))
+    return ids.gather(1, chosen[:, None]).squeeze(1)
+
+
+def _sample_full(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    if bool((temperature != 1.0).any()):
+        logits = logits / temperature.float()[:, None]
+    probs = torch.softmax(logits, dim=-1)  # [R, V]
+    return _sample_rows(probs, top_k, top_p, min_p, seeds)
+
+
+def _greedy(logits: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
     """logits [B, V]; per-row parameters [B]. Temperature 0 is an exact argmax. Otherwise a
     token is drawn from the filtered softmax(logits / T) by inverse CDF with counter-based
     uniforms (uniform_from_seeds): the same seed gives the same token in any batch. No sort
-    and no [B, V] of random numbers: softmax, a chunked search, and for top-p one more pass
-    per draw (see _sample_rows)."""
+    of the vocabulary and no [B, V] of random numbers. Each row takes one of three paths, by
+    its own parameters only (so a seeded row draws the same token in any batch): greedy;
+    a small top_k -> its topk candidates (_sample_candidates); else softmax and a chunked
+    search, with top-p by rejection (_sample_rows)."""
     logits = logits.float()
-    greedy = temperature <= 0
-    if bool(greedy.all()):
-        return logits.argmax(dim=-1)
+    vocab = logits.shape[1]
     seeds = seeds.to(logits.device)
-    if bool(greedy.any()):
-        tokens = logits.argmax(dim=-1)
-        rows = (~greedy).nonzero().squeeze(1)
-        tokens[rows] = sample(logits[rows], temperature[rows], top_k[rows], top_p[rows],
-                              min_p[rows], seeds[rows])
-        return tokens
-    if bool((temperature != 1.0).any()):
-        logits = logits / temperature.float()[:, None]
-    probs = torch.softmax(logits, dim=-1)  # [B, V]
-    return _sample_rows(probs, top_k, top_p, min_p, seeds)
+    greedy = temperature <= 0
+    few = ~greedy & (top_k > 0) & (top_k <= TOPK_CANDIDATES) & (top_k < vocab)
+    paths = ((greedy, _greedy), (few, _sample_candidates), (~greedy & ~few, _sample_full))
+    args = (temperature, top_k, top_p, min_p, seeds)
+    for rows, path in paths:
+        if bool(rows.all()):
+            return path(logits, *args)
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    for rows, path in paths:
+        index = rows.nonzero().squeeze(1)
+        if index.numel():
+            tokens[index] = path(logits[index], *(a[index] for a in args))
+    return tokens

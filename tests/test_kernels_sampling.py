@@ -90,6 +90,13 @@ def test_rejection_fallback_follows_the_distribution(monkeypatch):
     test_samples_follow_renormalised_distribution("torch", 1.5, 0, 0.6, 0.0, "cpu")
 
 
+def test_top_k_above_the_candidate_limit_follows_the_distribution(monkeypatch):
+    """A top_k too large for the candidate path takes softmax + thresholds: still exact."""
+    monkeypatch.setattr(reference, "TOPK_CANDIDATES", 2)
+    test_samples_follow_renormalised_distribution("torch", 1.0, 8, 0.9, 0.05, "cpu")
+    test_samples_follow_renormalised_distribution("torch", 0.5, 4, 1.0, 0.2, "cpu")
+
+
 @pytest.mark.parametrize("name", SAMPLERS)
 def test_same_seeds_same_tokens_and_rows_independent(name, device):
     logits = torch.randn(24, 200, generator=torch.Generator().manual_seed(2)).to(device)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import apply_penalties
+from engine.sampling_state import apply_penalties
 
 
 def loop_reference(logits, prompt, output, repetition, presence, frequency):
