@@ -107,8 +107,11 @@ class LLMEngine:
         return params
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    prefill_after: str | None = None) -> str:
+        """prefill_after: the id of a request with the same prompt (a sibling choice of n);
+        this one is scheduled once that one's prompt is computed, and then finds the prompt's
+        full blocks in the prefix cache instead of computing them again."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenize(prompt)
@@ -125,7 +128,8 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, params.skip_special_tokens,
                 token_ids[-PROMPT_DETOKENIZE_CONTEXT:]),
-            stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output))
+            stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
+            prefill_after=self._requests.get(prefill_after) if prefill_after else None)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id

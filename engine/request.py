@@ -34,6 +34,14 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    prefill_after: Request | None = None  # a sibling whose prompt prefill this one waits for
+
+    @property
+    def waits_for_sibling(self) -> bool:
+        """True while the sibling it shares a prompt with has not computed that prompt."""
+        sibling = self.prefill_after
+        return (sibling is not None and sibling.status is not RequestStatus.FINISHED
+                and sibling.num_computed_tokens < sibling.num_prompt_tokens)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

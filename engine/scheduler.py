@@ -4,7 +4,9 @@ There are no separate prefill and decode phases: every running request asks for 
 has not computed yet (a whole prompt, a chunk of it, or the one token sampled last step), and
 the scheduler hands out the budget first to running requests, then to waiting ones in arrival
 order. A failed block allocation is the single back-pressure signal: it preempts the most
-recently arrived running request (its blocks are freed and it is recomputed later).
+recently arrived running request (its blocks are freed and it is recomputed later). The
+choices of an n > 1 request wait until their first sibling has computed the shared prompt,
+then take its full blocks from the prefix cache: the prompt is prefilled once.
 """
 from __future__ import annotations
 
@@ -91,6 +93,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.waits_for_sibling:  # FIFO: the queue behind it waits one step too
+                break
             cached = self.kv_cache.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached_tokens, budget)

@@ -7,42 +7,53 @@ import logging
 import signal
 import sys
 import threading
+from dataclasses import fields
 
 from aiohttp import web
 
 from engine import LLMEngine
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm import build_config
 
-from .app import DEFAULT_MAX_BODY_BYTES, build_app, drain
+from .app import build_app, drain
 from .common import STATE
+from .config import ServerConfig
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Every default is read from the config dataclasses: none is written here again."""
+    e, c, q, v = EngineConfig, CacheConfig, SchedulerConfig, ServerConfig
+    backends = ["auto", "torch", "triton"]
     p = argparse.ArgumentParser(prog="python -m server")
-    p.add_argument("--model", default=None, help="local HF folder (default: embedded SmolLM2)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--cache-bytes", type=int, default=1024 * 1024 * 1024,
+    p.add_argument("--model", default=e.model, help="local HF folder (default: embedded SmolLM2)")
+    p.add_argument("--host", default=v.host)
+    p.add_argument("--port", type=int, default=v.port)
+    p.add_argument("--device", default=e.device)
+    p.add_argument("--dtype", default=e.dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=c.block_size)
+    p.add_argument("--num-blocks", type=int, default=c.num_blocks)
+    p.add_argument("--cache-bytes", type=int, default=c.cache_bytes,
                    help="KV cache size, all layers (ignored with --num-blocks)")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--sampler-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
-    p.add_argument("--max-waiting", type=int, default=256,
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   default=not c.enable_prefix_caching)
+    p.add_argument("--max-num-seqs", type=int, default=q.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=q.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=q.max_model_len)
+    p.add_argument("--attention-backend", default=e.attention_backend, choices=backends)
+    p.add_argument("--sampler-backend", default=e.sampler_backend, choices=backends)
+    p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "dummy"])
+    p.add_argument("--max-waiting", type=int, default=v.max_waiting,
                    help="waiting requests beyond this get HTTP 503 at once")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+    p.add_argument("--max-body-bytes", type=int, default=v.max_body_bytes,
                    help="request bodies larger than this get HTTP 413")
-    p.add_argument("--grace-period", type=float, default=10.0,
+    p.add_argument("--grace-period", type=float, default=v.grace_period,
                    help="seconds SIGTERM lets running streams finish")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=e.seed)
     return p.parse_args(argv)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(**{f.name: getattr(args, f.name) for f in fields(ServerConfig)})
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
@@ -61,9 +72,9 @@ async def serve_http(app: web.Application, args: argparse.Namespace,
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
-    engine = app[STATE].engine.engine
-    logging.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", engine.model_name,
-                 args.host, args.port, engine.kv_cache.num_blocks, engine.kv_cache.block_size)
+    card = app[STATE].engine.card
+    logging.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", card.name,
+                 args.host, args.port, card.num_kv_blocks, card.block_size)
     print(f"READY http://{args.host}:{args.port}", flush=True)
     await stop.wait()
     logging.info("draining (grace period %.1f s)", args.grace_period)
@@ -78,12 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args(argv)
     try:
+        config = server_config(args)
         engine = build_engine(args)
     except (ValueError, FileNotFoundError) as exc:  # a bad option or model folder
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    app = build_app(engine, args.max_waiting, engine_thread=False,
-                    max_body_bytes=args.max_body_bytes)
+    app = build_app(engine, config, engine_thread=False)
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     failure: list[BaseException] = []

@@ -10,9 +10,11 @@ from engine import InvalidRequestError, LLMEngine
 
 from .async_engine import AsyncEngine, EngineUnavailableError, OverloadedError
 from .common import STATE, ApiError, ServerState, json_error
+from .config import ServerConfig
 from .metrics import Metrics
 from .routes_native import generate
 from .routes_openai import chat_completions, completions, models
+from .routes_tokens import detokenize, tokenize, version
 
 log = logging.getLogger("server")
 
@@ -53,7 +55,7 @@ async def health(request: web.Request) -> web.Response:
         return json_error(503, "engine_dead", f"the engine died: {state.engine.dead}")
     if state.draining:
         return json_error(503, "shutting_down", "the server is shutting down")
-    return web.json_response({"status": "ok", "model": state.model_name})
+    return web.json_response({"status": "ok", "model": state.engine.card.name})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -62,17 +64,14 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": state.metrics.content_type})
 
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-
-
-def build_app(engine: LLMEngine, max_waiting: int = 256, engine_thread: bool = True,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(),
+              engine_thread: bool = True) -> web.Application:
     """engine_thread=False leaves stepping the engine to the caller (AsyncEngine.run()).
-    Bodies over max_body_bytes get 413 before they are parsed."""
-    async_engine = AsyncEngine(engine, max_waiting)
-    app = web.Application(middlewares=[json_errors], client_max_size=max_body_bytes)
+    Bodies over config.max_body_bytes get 413 before they are parsed."""
+    async_engine = AsyncEngine(engine, config.max_waiting)
+    app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
     app[STATE] = ServerState(engine=async_engine, metrics=Metrics(async_engine),
-                             model_name=engine.model_name)
+                             config=config)
 
     async def start_engine(app: web.Application) -> None:
         app[STATE].engine.bind_loop(asyncio.get_running_loop())
@@ -88,6 +87,9 @@ def build_app(engine: LLMEngine, max_waiting: int = 256, engine_thread: bool = T
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

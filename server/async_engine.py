@@ -1,4 +1,7 @@
-"""Hosts the LLMEngine off the event loop: the event loop never runs a model step.
+"""The server's one door into the engine, hosted off the event loop (the event loop never
+runs a model step). Routes, metrics and `__main__` see only this: submit / abort, the
+tokenizer calls (`prompts`), the model card, and an EngineStats snapshot the engine thread
+takes at each step; nothing else reads LLMEngine's attributes.
 
 `python -m server` steps the engine on the process's main thread and runs the event loop in a
 second thread: torch's OpenMP team is the main thread's, and small CPU ops launched from
@@ -17,6 +20,7 @@ exits non-zero so that a supervisor restarts it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 
 from engine import (EngineDeadError, GenerationStep, InvalidRequestError, LLMEngine,
                     SamplingParams)
+from engine.sampling_params import SEED_LIMIT
 
 from .prompts import PromptTokenizer
 
@@ -47,47 +52,84 @@ class StreamFailure:
 
 
 @dataclass(frozen=True)
+class ModelCard:
+    """What the server may say about the model it serves (fixed at start-up)."""
+
+    name: str
+    root: str  # the model folder
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+
+    def names(self) -> tuple[str, str]:
+        """The names a request's `model` field may use."""
+        return self.name, self.root
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Taken on the engine thread after admitting requests and after each step."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # in the engine's queue (the inbox is counted by AsyncEngine)
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
 class _NewRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    prefill_after: str | None  # a sibling whose prompt prefill this one waits for (n > 1)
 
 
 StreamItem = GenerationStep | StreamFailure
 
 
 class RequestStream:
-    """The items of one request, as an async iterator. close() ends it: unless the last item
-    was seen, the request is aborted and its KV blocks freed. close() works at any point,
-    before the first item too, so a route that calls it in a `finally` leaks nothing."""
+    """The items of one HTTP request's engine requests (several for n > 1 or a list of
+    prompts), as an async iterator of (choice index, item). It ends after every choice's last
+    item, or at the first StreamFailure. close() ends it: the choices still running are
+    aborted and their KV blocks freed. close() works at any point, before the first item too,
+    so a route that calls it in a `finally` leaks nothing."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str,
-                 queue: asyncio.Queue[StreamItem]) -> None:
+    def __init__(self, engine: AsyncEngine, request_ids: list[str],
+                 queue: asyncio.Queue[tuple[int, StreamItem]]) -> None:
         self._engine = engine
-        self.request_id = request_id
+        self.request_ids = request_ids
         self._queue = queue
-        self._finished = False
+        self._running = set(range(len(request_ids)))
+        self._failed = False
         self._closed = False
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.request_ids)
 
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> StreamItem:
-        if self._finished or self._closed:
+    async def __anext__(self) -> tuple[int, StreamItem]:
+        if not self._running or self._failed or self._closed:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, StreamFailure) or item.finished:
-            self._finished = True
-        return item
+        index, item = await self._queue.get()
+        if isinstance(item, StreamFailure):
+            self._failed = True
+        elif item.finished:
+            self._running.discard(index)
+        return index, item
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._engine._queues.pop(self.request_id, None)
-        if not self._finished:  # the consumer went away (client disconnect)
-            self._engine.abort(self.request_id)
+        for index, request_id in enumerate(self.request_ids):
+            self._engine._queues.pop(request_id, None)
+            if index in self._running:  # the consumer went away, or a sibling failed
+                self._engine.abort(request_id)
 
 
 class AsyncEngine:
@@ -99,13 +141,18 @@ class AsyncEngine:
         self._inbox: list[_NewRequest] = []
         self._aborts: list[str] = []
         self._failures: list[StreamFailure] = []
-        self._queues: dict[str, asyncio.Queue[StreamItem]] = {}
+        self._queues: dict[str, tuple[asyncio.Queue[tuple[int, StreamItem]], int]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_steps = 0
         self.dead: str | None = None  # why the engine died, once it has
         self.prompts = PromptTokenizer(engine.model_path, engine.max_model_len)
+        self.card = ModelCard(
+            name=engine.model_name, root=str(engine.model_path),
+            max_model_len=engine.max_model_len, vocab_size=engine.arch.vocab_size,
+            num_kv_blocks=engine.kv_cache.num_blocks, block_size=engine.kv_cache.block_size)
+        self.stats = EngineStats()
 
     # ---- lifecycle ----------------------------------------------------------------------
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -129,29 +176,45 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._inbox) + self.engine.num_waiting
+        with self._lock:
+            return len(self._inbox) + self.stats.num_waiting
 
     # ---- called on the event loop -------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         return self.engine.validate(prompt_token_ids, params)  # reads configuration only
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               arrival_time: float) -> RequestStream:
-        """Validate, admit and enqueue; raises InvalidRequestError, OverloadedError or
-        EngineUnavailableError before anything is enqueued. Close the returned stream in a
-        `finally`: closing it early aborts the request."""
+    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+               arrival_time: float, n: int = 1) -> RequestStream:
+        """n choices for each prompt (choice index = prompt index * n + j); every prompt is
+        validated and admission checked before anything is enqueued, so this raises
+        InvalidRequestError, OverloadedError or EngineUnavailableError having done nothing.
+        The n choices of a prompt share its prefill: the first runs it, the others wait for it
+        and then find the prompt's full blocks in the prefix cache. A seeded request's choice
+        j samples with seed + j. Close the returned stream in a `finally`."""
         if self.dead is not None:
             raise EngineUnavailableError(f"the engine is dead ({self.dead}); restart the server")
-        params = self.validate(prompt_token_ids, params)
-        if self.num_waiting >= self.max_waiting:
+        checked = [self.validate(ids, params) for ids in prompts]
+        if self.num_waiting + len(prompts) * n > self.max_waiting:
             raise OverloadedError(f"{self.num_waiting} requests are waiting "
                                   f"(--max-waiting {self.max_waiting})")
-        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
-        self._queues[request_id] = queue
+        queue: asyncio.Queue[tuple[int, StreamItem]] = asyncio.Queue()
+        new: list[_NewRequest] = []
+        for ids, prompt_params in zip(prompts, checked):
+            first = None
+            for j in range(n):
+                choice_params = prompt_params
+                if j and prompt_params.seed is not None:
+                    choice_params = dataclasses.replace(
+                        prompt_params, seed=(prompt_params.seed + j) % SEED_LIMIT)
+                choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{len(new)}"
+                new.append(_NewRequest(choice_id, ids, choice_params, arrival_time, first))
+                first = first or choice_id
+        for index, item in enumerate(new):
+            self._queues[item.request_id] = (queue, index)
         with self._lock:
-            self._inbox.append(_NewRequest(request_id, prompt_token_ids, params, arrival_time))
+            self._inbox.extend(new)
         self._wake.set()
-        return RequestStream(self, request_id, queue)
+        return RequestStream(self, [item.request_id for item in new], queue)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -167,14 +230,14 @@ class AsyncEngine:
     def _dispatch(self, steps: list[GenerationStep], failure: StreamFailure | None,
                   failed_ids: list[str]) -> None:
         for step in steps:
-            queue = self._queues.get(step.request_id)
-            if queue is not None:
-                queue.put_nowait(step)
+            target = self._queues.get(step.request_id)
+            if target is not None:
+                target[0].put_nowait((target[1], step))
         if failure is not None:
             for request_id in failed_ids:
-                queue = self._queues.get(request_id)
-                if queue is not None:
-                    queue.put_nowait(failure)
+                target = self._queues.get(request_id)
+                if target is not None:
+                    target[0].put_nowait((target[1], failure))
 
     def _die(self, steps: list[GenerationStep], reason: str) -> None:
         """On the event loop: deliver the dead engine's last steps, end every other stream."""
@@ -188,20 +251,22 @@ class AsyncEngine:
         """The engine loop; blocks until stop()."""
         engine = self.engine
         while not self._stopping:
-            with self._lock:
+            rejected: list[tuple[str, StreamFailure]] = []
+            with self._lock:  # admitted under the lock: num_waiting never misses a request
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
                 failures, self._failures = self._failures, []
-            rejected: list[str] = []
-            for new in inbox:
-                try:
-                    engine.add_request(new.prompt_token_ids, new.params, new.request_id,
-                                       new.arrival_time)
-                except Exception as exc:  # noqa: BLE001 - checked before; this request alone
-                    code = ("invalid_request" if isinstance(exc, InvalidRequestError)
-                            else "engine_error")
-                    self._post([], StreamFailure(code, str(exc)), [new.request_id])
-                    rejected.append(new.request_id)
+                for new in inbox:
+                    try:
+                        engine.add_request(new.prompt_token_ids, new.params, new.request_id,
+                                           new.arrival_time, prefill_after=new.prefill_after)
+                    except Exception as exc:  # noqa: BLE001 - checked before; this one alone
+                        code = ("invalid_request" if isinstance(exc, InvalidRequestError)
+                                else "engine_error")
+                        rejected.append((new.request_id, StreamFailure(code, str(exc))))
+                self._take_stats()
+            for request_id, failure in rejected:
+                self._post([], failure, [request_id])
             for request_id in aborts:
                 engine.abort(request_id)
             if failures:
@@ -221,7 +286,15 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(self._die, exc.steps, str(exc))
                 return
             self.num_steps += 1
+            self._take_stats()
             self._post(steps, None, [])
+
+    def _take_stats(self) -> None:
+        """On the engine thread, after admitting and after each step: one immutable
+        snapshot, swapped in whole (the event loop reads it without a lock)."""
+        engine = self.engine
+        self.stats = EngineStats(engine.num_running, engine.num_waiting, engine.kv_cache.usage,
+                                 engine.scheduler.num_preemptions)
 
     def _post(self, steps: list[GenerationStep], failure: StreamFailure | None,
               failed_ids: list[str]) -> None:

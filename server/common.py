@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from engine import Completion, FinishReason, InvalidRequestError, SamplingParams
 
 from .async_engine import AsyncEngine, StreamFailure, StreamItem
+from .config import ServerConfig
 from .metrics import Metrics
 from .prompts import check_text
 from .schema import SamplingFields, StreamDoneEvent, StreamErrorEvent
@@ -43,9 +44,9 @@ def json_error(status: int, code: str, message: str, param: str | None = None,
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: AsyncEngine  # the only way into the engine
     metrics: Metrics
-    model_name: str
+    config: ServerConfig
     draining: bool = False
 
 
@@ -96,18 +97,22 @@ async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
         raise ApiError(400, "invalid_request", problems, param) from None
 
 
+# SamplingParams fields a body may set by the same name (nano-vllm's fields() filter); logprobs
+# and max_tokens differ per route and are passed in
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams)
+                         if f.name not in ("logprobs", "max_tokens"))
+
+
 def sampling_params(body: SamplingFields, logprobs: int | None,
                     max_tokens: int | None = None) -> SamplingParams:
+    """The body's sampling fields that are set; the rest keep SamplingParams' defaults."""
+    options = {name: value for name in _SAMPLING_FIELDS
+               if (value := getattr(body, name)) is not None}
+    max_tokens = max_tokens if max_tokens is not None else body.max_tokens
+    if max_tokens is not None:
+        options["max_tokens"] = max_tokens
     try:
-        return SamplingParams(
-            temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, seed=body.seed,
-            max_tokens=max_tokens or body.max_tokens, min_tokens=body.min_tokens,
-            stop=body.stop or (), stop_token_ids=body.stop_token_ids or (),
-            ignore_eos=body.ignore_eos, logprobs=logprobs,
-            include_stop_str_in_output=body.include_stop_str_in_output,
-            logit_bias=body.logit_bias or {}, skip_special_tokens=body.skip_special_tokens)
+        return SamplingParams(logprobs=logprobs, **options)
     except InvalidRequestError as exc:
         raise ApiError(400, "invalid_request", str(exc), exc.param) from None
 

@@ -38,13 +38,12 @@ class Metrics:
                                 ["finish_reason"], registry=r)
         self.failed = Counter(f"{PREFIX}request_failure", "Requests ended by an error event",
                               ["code"], registry=r)
-        engine = async_engine.engine
         Gauge(f"{PREFIX}num_requests_running", "Requests in the running batch",
-              registry=r).set_function(lambda: engine.num_running)
+              registry=r).set_function(lambda: async_engine.stats.num_running)
         Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting to be scheduled",
               registry=r).set_function(lambda: async_engine.num_waiting)
         Gauge(f"{PREFIX}kv_cache_usage_perc", "KV blocks owned by live requests / total",
-              registry=r).set_function(lambda: engine.kv_cache.usage)
+              registry=r).set_function(lambda: async_engine.stats.kv_cache_usage)
 
     def observe_completion(self, done: Completion) -> None:
         t = done.timing

@@ -60,10 +60,18 @@ class PromptTokenizer:
             raise InvalidRequestError(field, f"was refused by the tokenizer or chat template: "
                                       f"{exc}") from None
 
-    async def encode(self, text: str, field: str = "prompt") -> list[int]:
+    async def encode(self, text: str, field: str = "prompt",
+                     add_special_tokens: bool = True) -> list[int]:
         self._check_length(field, len(text))
         check_text(field, text)
-        return await self._run(field, self._tokenizer.encode, text)
+        return await self._run(field, self._encode, text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def decode(self, token_ids: list[int], field: str = "tokens") -> str:
+        """Token ids -> text (ids outside the vocabulary are the caller's to refuse)."""
+        return await self._run(field, self._tokenizer.decode, token_ids)
 
     async def encode_chat(self, messages: list[dict]) -> list[int]:
         """The chat template applied to the messages, tokenized."""

@@ -1,9 +1,10 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
 
-Streams are `data: {chunk}` frames ending with `data: [DONE]`. Exactly one chunk carries a
-finish_reason (`stop` for EOS, a stop string or stop token; `length`); a failure sends
-`data: {"error": ...}` with no finish_reason, then [DONE]. Usage is always in non-streaming
-responses and, when stream_options.include_usage is set, in a last chunk with no choices.
+Streams are `data: {chunk}` frames ending with `data: [DONE]`. Each choice gets exactly one
+chunk with a finish_reason (`stop` for EOS, a stop string or stop token; `length`); a failure
+sends `data: {"error": ...}` with no finish_reason, then [DONE]. Usage is always in
+non-streaming responses and, when stream_options.include_usage is set, in a last chunk with no
+choices. A list of prompts and `n` give len(prompts) x n choices, index = prompt * n + j.
 """
 from __future__ import annotations
 
@@ -14,170 +15,229 @@ from aiohttp import web
 from engine import FinishReason
 
 from .async_engine import now
-from .common import (STATE, ApiError, error_body, failure_of, failure_response,
-                     new_request_id, open_sse, parse_body, sampling_params, send_sse)
-from .schema import ChatCompletionRequest, CompletionRequest
+from .common import STATE, ApiError, error_body, new_request_id, parse_body, sampling_params
+from .driver import Choice, Payload, Renderer, respond
+from .schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIFields
 
 OPENAI_REASON = {FinishReason.EOS: "stop", FinishReason.STOP: "stop",
                  FinishReason.LENGTH: "length"}
+# documented by OpenAI, not served yet: setting one is a 400 naming it (None / False is unset)
+UNSUPPORTED = ("response_format", "service_tier", "metadata", "suffix", "tools", "functions",
+               "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+               "web_search_options")
 
 
-def _check_model(state, model: str | None) -> None:
-    if model is not None and model not in (state.model_name, str(state.engine.engine.model_path)):
+def check_model(state, model: str | None) -> None:
+    if model is not None and model not in state.engine.card.names():
         raise ApiError(404, "model_not_found", f"model {model!r} is not served here; "
-                       f"this server serves {state.model_name!r}", "model")
+                       f"this server serves {state.engine.card.name!r}", "model")
 
 
-def _usage(done) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.output_tokens,
-            "total_tokens": done.prompt_tokens + done.output_tokens}
+def _check_supported(body: OpenAIFields) -> None:
+    for name in UNSUPPORTED:
+        if getattr(body, name, None) not in (None, False):
+            raise ApiError(400, "unsupported_parameter",
+                           f"{name} is not supported by this server yet", name)
+    tool_choice = getattr(body, "tool_choice", None)
+    if tool_choice not in (None, "none", "auto"):  # with no tools, auto means none
+        raise ApiError(400, "unsupported_parameter", "tool_choice is not supported by this "
+                       "server yet (without tools only 'none' and 'auto')", "tool_choice")
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of != body.n:
+        raise ApiError(400, "unsupported_parameter", "best_of other than n is not supported",
+                       "best_of")
 
 
-class _Dialect:
-    """What differs between the completion and chat framings."""
+def _usage(choices: list[Choice], n: int) -> dict:
+    prompt = sum(c.completion.prompt_tokens for c in choices if c.index % n == 0)
+    output = sum(c.completion.output_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
 
-    def __init__(self, chat: bool, prompts, want_logprobs: bool) -> None:
-        self.chat = chat
-        self.prompts = prompts
+
+class OpenAIRenderer(Renderer):
+    """What completions and chat share: the chunk head, [DONE], usage, errors, logprobs."""
+
+    object = ""
+
+    def __init__(self, state, request_id: str, body: OpenAIFields, want_logprobs: bool) -> None:
+        self.prompts = state.engine.prompts
+        self.model = state.engine.card.name
+        self.head = {"id": request_id, "created": int(time.time()), "model": self.model}
+        self.n = body.n
         self.want_logprobs = want_logprobs
-        self.object = "chat.completion" if chat else "text_completion"
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.extra = {"usage": None} if self.include_usage else {}
 
-    def logprobs(self, tokens) -> dict | None:
+    def chunk(self, choice: dict) -> dict:
+        return {**self.head, "object": self.chunk_object, "choices": [choice], **self.extra}
+
+    @property
+    def chunk_object(self) -> str:
+        return self.object
+
+    def failure(self, failure) -> list[Payload]:
+        return [error_body(failure.code, failure.message, kind="server_error")]
+
+    def end(self, choices: list[Choice], failed: bool) -> list[Payload]:
+        if self.include_usage and not failed:
+            return [{**self.head, "object": self.chunk_object, "choices": [],
+                     "usage": _usage(choices, self.n)}, "[DONE]"]
+        return ["[DONE]"]
+
+    def response(self, choices: list[Choice]) -> dict:
+        return {**self.head, "object": self.object,
+                "choices": [self.full_choice(c) for c in choices],
+                "usage": _usage(choices, self.n)}
+
+    def full_choice(self, choice: Choice) -> dict:
+        raise NotImplementedError
+
+
+class CompletionRenderer(OpenAIRenderer):
+    object = "text_completion"
+
+    def __init__(self, state, request_id, body, echo_texts: list[str] | None) -> None:
+        super().__init__(state, request_id, body, body.logprobs is not None)
+        self.echo_texts = echo_texts  # per prompt, when echo is set
+
+    def _logprobs(self, tokens) -> dict | None:
         if not self.want_logprobs or not tokens:
             return None
         piece = self.prompts.decode_token
-        if self.chat:
-            return {"content": [{"token": piece(t.token_id), "logprob": t.logprob,
-                                 "top_logprobs": [{"token": piece(a.token_id),
-                                                   "logprob": a.logprob}
-                                                  for a in t.top_logprobs or ()]}
-                                for t in tokens]}
         return {"tokens": [piece(t.token_id) for t in tokens],
                 "token_logprobs": [t.logprob for t in tokens],
                 "top_logprobs": [{piece(a.token_id): a.logprob for a in t.top_logprobs or ()}
                                  for t in tokens]}
 
-    def chunk_choice(self, text: str, finish: str | None, tokens, first: bool) -> dict:
-        if self.chat:
-            delta = {"role": "assistant", "content": text} if first else (
-                {"content": text} if text or finish is None else {})
-            return {"index": 0, "delta": delta, "logprobs": self.logprobs(tokens),
-                    "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": self.logprobs(tokens),
+    def _choice(self, index: int, text: str, tokens, finish: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": self._logprobs(tokens),
                 "finish_reason": finish}
 
-    def full_choice(self, text: str, finish: str, tokens) -> dict:
-        if self.chat:
-            return {"index": 0, "message": {"role": "assistant", "content": text},
-                    "logprobs": self.logprobs(tokens), "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": self.logprobs(tokens),
-                "finish_reason": finish}
+    def start(self) -> list[Payload]:
+        if not self.echo_texts:
+            return []
+        return [self.chunk(self._choice(i, self.echo_texts[i // self.n], [], None))
+                for i in range(len(self.echo_texts) * self.n)]
+
+    def token(self, index, token) -> list[Payload]:
+        return [self.chunk(self._choice(index, token.text, [token], None))]
+
+    def finish(self, index, completion) -> list[Payload]:
+        return [self.chunk(self._choice(index, completion.tail_text, [],
+                                        OPENAI_REASON[completion.reason]))]
+
+    def full_choice(self, choice: Choice) -> dict:
+        echo = self.echo_texts[choice.index // self.n] if self.echo_texts else ""
+        return self._choice(choice.index, echo + choice.text, choice.tokens,
+                            OPENAI_REASON[choice.completion.reason])
+
+
+class ChatRenderer(OpenAIRenderer):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, state, request_id, body) -> None:
+        super().__init__(state, request_id, body, body.logprobs)
+        self._started: set[int] = set()
+
+    def _logprobs(self, tokens) -> dict | None:
+        if not self.want_logprobs or not tokens:
+            return None
+        piece = self.prompts.decode_token
+        return {"content": [{"token": piece(t.token_id), "logprob": t.logprob,
+                             "top_logprobs": [{"token": piece(a.token_id), "logprob": a.logprob}
+                                              for a in t.top_logprobs or ()]}
+                            for t in tokens]}
+
+    def _delta(self, index: int, text: str, final: bool) -> dict:
+        if index not in self._started:  # the first chunk of each choice names the role
+            self._started.add(index)
+            return {"role": "assistant", "content": text}
+        return {"content": text} if text or not final else {}
+
+    def token(self, index, token) -> list[Payload]:
+        return [self.chunk({"index": index, "delta": self._delta(index, token.text, False),
+                            "logprobs": self._logprobs([token]), "finish_reason": None})]
+
+    def finish(self, index, completion) -> list[Payload]:
+        return [self.chunk({"index": index,
+                            "delta": self._delta(index, completion.tail_text, True),
+                            "logprobs": None,
+                            "finish_reason": OPENAI_REASON[completion.reason]})]
+
+    def full_choice(self, choice: Choice) -> dict:
+        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": self._logprobs(choice.tokens),
+                "finish_reason": OPENAI_REASON[choice.completion.reason]}
+
+
+def _prompt_list(prompt) -> list:
+    """A completions `prompt`: a string, token ids, or a list of either -> a list of prompts."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     arrival = now()
     body = await parse_body(request, CompletionRequest)
-    _check_model(state, body.model)
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise ApiError(400, "invalid_request", "only one prompt per request", "prompt")
-        prompt = prompt[0]
-    prompts = state.engine.prompts
-    prompt_ids = await prompts.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    check_model(state, body.model)
+    _check_supported(body)
+    if body.echo and body.logprobs is not None:
+        raise ApiError(400, "unsupported_parameter", "echo with logprobs (prompt logprobs) is "
+                       "not supported yet", "echo")
+    prompts = _prompt_list(body.prompt)
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise ApiError(400, "invalid_request", f"prompts x n must be at most {MAX_CHOICES}, got "
+                       f"{len(prompts)} x {body.n}", "n")
+    tokenizer = state.engine.prompts
+    ids = []
+    for i, prompt in enumerate(prompts):
+        field = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        if isinstance(prompt, str):
+            ids.append(await tokenizer.encode(prompt, field))
+        elif not prompt:
+            raise ApiError(400, "invalid_request", "must not be empty", field)
+        else:
+            ids.append(list(prompt))
+    echo = None
+    if body.echo:
+        echo = [p if isinstance(p, str) else await tokenizer.decode(p) for p in prompts]
     params = sampling_params(body, body.logprobs)
-    dialect = _Dialect(False, prompts, body.logprobs is not None)
-    return await _serve(request, state, arrival, prompt_ids, params, body, dialect, "cmpl")
+    request_id = _start(state, "cmpl")
+    items = state.engine.submit(request_id, ids, params, arrival, body.n)
+    renderer = CompletionRenderer(state, request_id, body, echo)
+    return await respond(request, request_id, items, renderer, body.stream)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     arrival = now()
     body = await parse_body(request, ChatCompletionRequest)
-    _check_model(state, body.model)
-    prompts = state.engine.prompts
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    prompt_ids = await prompts.encode_chat(messages)
-    max_tokens = body.max_completion_tokens or (
-        body.max_tokens if "max_tokens" in body.model_fields_set
-        else max(1, state.engine.engine.max_model_len - len(prompt_ids)))
+    check_model(state, body.model)
+    _check_supported(body)
+    messages = [m.for_template() for m in body.messages]
+    prompt_ids = await state.engine.prompts.encode_chat(messages)
+    max_tokens = body.max_completion_tokens
+    if max_tokens is None:  # OpenAI's default: whatever the context leaves
+        max_tokens = body.max_tokens or max(1, state.engine.card.max_model_len - len(prompt_ids))
     top = body.top_logprobs if body.logprobs else None
     params = sampling_params(body, (top or 0) if body.logprobs else None, max_tokens)
-    dialect = _Dialect(True, prompts, body.logprobs)
-    return await _serve(request, state, arrival, prompt_ids, params, body, dialect, "chatcmpl")
+    request_id = _start(state, "chatcmpl")
+    items = state.engine.submit(request_id, [prompt_ids], params, arrival, body.n)
+    return await respond(request, request_id, items, ChatRenderer(state, request_id, body),
+                         body.stream)
 
 
-async def _serve(request, state, arrival, prompt_ids, params, body, dialect, prefix):
+def _start(state, prefix: str) -> str:
     if state.draining:
         raise ApiError(503, "shutting_down", "the server is shutting down")
-    request_id = new_request_id(prefix)
-    items = state.engine.submit(request_id, prompt_ids, params, arrival)
-    try:  # from here on, however the handler ends (a hang-up included), the request ends
-        created = int(time.time())
-        head = {"id": request_id, "created": created, "model": state.model_name}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await _stream(request, state, items, head, dialect, include_usage)
-        return await _collect(state, items, head, dialect)
-    finally:
-        items.close()
-
-
-async def _stream(request, state, items, head, dialect, include_usage):
-    response = await open_sse(request, head["id"])
-    chunk_head = {**head, "object": dialect.object + ".chunk" if dialect.chat
-                  else dialect.object}
-    extra = {"usage": None} if include_usage else {}
-    first = True
-    async for item in items:
-        failure = failure_of(item)
-        if failure is not None:
-            state.metrics.observe_failure(failure.code)
-            await send_sse(response, error_body(failure.code, failure.message,
-                                                kind="server_error"))
-            break
-        if item.token is not None:
-            choice = dialect.chunk_choice(item.token.text, None, [item.token], first)
-            await send_sse(response, {**chunk_head, "choices": [choice], **extra})
-            first = False
-        if item.completion is not None:
-            done = item.completion
-            state.metrics.observe_completion(done)
-            choice = dialect.chunk_choice(done.tail_text, OPENAI_REASON[done.reason], [],
-                                          first)
-            await send_sse(response, {**chunk_head, "choices": [choice], **extra})
-            if include_usage:
-                await send_sse(response, {**chunk_head, "choices": [],
-                                          "usage": _usage(done)})
-    await send_sse(response, "[DONE]")
-    await response.write_eof()
-    return response
-
-
-async def _collect(state, items, head, dialect):
-    tokens = []
-    async for item in items:
-        failure = failure_of(item)
-        if failure is not None:
-            state.metrics.observe_failure(failure.code)
-            return failure_response(failure, head["id"])
-        if item.token is not None:
-            tokens.append(item.token)
-        if item.completion is not None:
-            done = item.completion
-            state.metrics.observe_completion(done)
-            text = "".join(t.text for t in tokens) + done.tail_text
-            choice = dialect.full_choice(text, OPENAI_REASON[done.reason], tokens)
-            return web.json_response({**head, "object": dialect.object, "choices": [choice],
-                                      "usage": _usage(done)},
-                                     headers={"X-Request-Id": head["id"]})
-    raise ApiError(500, "engine_error", "the request ended without a result")
+    return new_request_id(prefix)
 
 
 async def models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+    card = request.app[STATE].engine.card
     return web.json_response({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": 0, "owned_by": "tritonserve",
-        "root": str(state.engine.engine.model_path),
-        "max_model_len": state.engine.engine.max_model_len}]})
+        "id": card.name, "object": "model", "created": 0, "owned_by": "tritonserve",
+        "root": card.root, "max_model_len": card.max_model_len}]})

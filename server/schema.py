@@ -10,7 +10,6 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from engine.sampling_params import MAX_LOGPROBS
 
 
 class Strict(BaseModel):
@@ -63,30 +62,32 @@ STREAM_EVENT = TypeAdapter(StreamEvent)
 
 # ---- request bodies -----------------------------------------------------------------------
 class SamplingFields(Strict):
-    """Sampling parameters shared by every route (ranges as in engine.SamplingParams)."""
+    """Sampling parameters shared by every route, by their engine.SamplingParams names. Types
+    only: None means "the engine's default", and every range is SamplingParams' own (its
+    error names the field), so no default or range is written here a second time."""
 
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_k: int = Field(-1, ge=-1)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0)
-    min_tokens: int = Field(0, ge=0)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    min_tokens: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
     logit_bias: dict[int, float] | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool | None = None
 
 
 class GenerateRequest(SamplingFields):
     prompt: str | list[int] = Field(min_length=1)
     stream: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = None
 
 
 class StreamOptions(Strict):
@@ -94,30 +95,78 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool = False
 
 
-class CompletionRequest(SamplingFields):
+MAX_CHOICES = 64  # n x prompts per request: each choice is an engine request
+
+
+class OpenAIFields(SamplingFields):
+    """Fields both OpenAI routes take. The `unsupported` ones are documented by OpenAI but not
+    served yet: a request that sets one gets a 400 naming it (routes_openai.py)."""
+
     model: str | None = None
-    prompt: str | list[int] | list[str] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    n: int = Field(1, ge=1, le=1)
-    echo: Literal[False] = False
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
+    response_format: dict | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict | None = None
+
+
+class CompletionRequest(OpenAIFields):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as chat templates expect it: content parts joined into one string."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
 
 
-class ChatCompletionRequest(SamplingFields):
-    model: str | None = None
+class ChatCompletionRequest(OpenAIFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=1)
-    user: str | None = None
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    audio: dict | None = None
+    modalities: list[str] | None = None
+    prediction: dict | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict | None = None
+
+
+class TokenizeRequest(Strict):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]

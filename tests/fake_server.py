@@ -10,6 +10,7 @@ import time
 from aiohttp import web
 from pydantic import ValidationError
 
+from server.common import ApiError, sampling_params
 from server.schema import CompletionRequest, GenerateRequest
 
 VOCAB = ["Hel", "lo", ",", " wor", "ld", " 你", "好", "！", " ca", "fé", " 😀", " the",
@@ -60,14 +61,16 @@ class FakeServer:
         self.app.router.add_post("/v1/chat/completions", self.completions)
 
     async def _parse(self, request, model):
+        """(body, its SamplingParams) or (None, problem): the real server's rules."""
         try:
-            return model.model_validate(json.loads(await request.read())), None
-        except (json.JSONDecodeError, ValidationError, UnicodeDecodeError) as exc:
+            body = model.model_validate(json.loads(await request.read()))
+            return (body, sampling_params(body, None)), None
+        except (json.JSONDecodeError, ValidationError, UnicodeDecodeError, ApiError) as exc:
             return None, str(exc)[:200]
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
-        body, problem = await self._parse(request, GenerateRequest)
+        parsed, problem = await self._parse(request, GenerateRequest)
         if problem:
             if self.fault == "error_as_200_sse":
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -77,9 +80,10 @@ class FakeServer:
                 return response
             return web.json_response({"error": {"code": "invalid_request",
                                                 "message": problem}}, status=400)
-        texts, reason = continuation(str(body.prompt), body.max_tokens, body.ignore_eos,
-                                     body.seed, body.temperature)
-        texts, reason = apply_stop(texts, reason, body.stop)
+        body, params = parsed
+        texts, reason = continuation(str(body.prompt), params.max_tokens, params.ignore_eos,
+                                     params.seed, params.temperature)
+        texts, reason = apply_stop(texts, reason, params.stop)
         held = ""
         if self.fault == "held_back_last_token" and texts:
             held, texts = texts[-1], texts[:-1]
@@ -123,10 +127,11 @@ class FakeServer:
                    "prompt": raw["messages"][-1]["content"]}
         try:
             body = CompletionRequest.model_validate(raw)
-        except ValidationError as exc:
+            params = sampling_params(body, None)
+        except (ValidationError, ApiError) as exc:
             return web.json_response({"error": {"message": str(exc)[:200]}}, status=400)
-        texts, reason = continuation(str(body.prompt), body.max_tokens, body.ignore_eos,
-                                     body.seed, body.temperature)
+        texts, reason = continuation(str(body.prompt), params.max_tokens, params.ignore_eos,
+                                     params.seed, params.temperature)
         finish = "length" if reason == "length" else "stop"
         usage = {"prompt_tokens": 4, "completion_tokens": len(texts),
                  "total_tokens": 4 + len(texts)}

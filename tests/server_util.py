@@ -9,13 +9,15 @@ import threading
 from aiohttp import web
 
 from server.app import build_app
+from server.config import ServerConfig
 
 
 class ServerThread:
-    def __init__(self, engine, max_waiting: int = 256, **app_options) -> None:
+    def __init__(self, engine, **server_options) -> None:
+        """server_options: ServerConfig fields (max_waiting=1, max_body_bytes=...)."""
         self.engine = engine
         self.loop = asyncio.new_event_loop()
-        self.app = build_app(engine, max_waiting, **app_options)
+        self.app = build_app(engine, ServerConfig(**server_options))
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
