@@ -19,6 +19,9 @@ setup(
         "pydantic>=2.6",
         "prometheus-client>=0.20",
         "numpy>=1.26",
+        # Grammars for structured output and forced tool calls (vLLM's and SGLang's default);
+        # its token bitmask is applied in the sampler (engine/guided.py).
+        "xgrammar>=0.1.25",
         # Needed once, to convert the embedded SmolLM2 GGUF into safetensors.
         "gguf>=0.10",
         "accelerate>=0.30",

@@ -1,4 +1,4 @@
-"""python -m bench {throughput,profile,kernels,serve,conformance} ..."""
+"""python -m bench {throughput,profile,kernels,serve,conformance,grammar} ..."""
 from __future__ import annotations
 
 import importlib
@@ -10,6 +10,7 @@ COMMANDS = {
     "kernels": "bench.kernels",
     "serve": "bench.serve",
     "conformance": "bench.conformance",
+    "grammar": "bench.grammar",
 }
 
 

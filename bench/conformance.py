@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-from . import checks_native, checks_openai
+from . import checks_native, checks_openai, checks_openai_features
 from .checks_native import CheckFailed, Skipped
 
-SUITES = {"native": checks_native.CHECKS, "openai": checks_openai.CHECKS}
+SUITES = {"native": checks_native.CHECKS,
+          "openai": checks_openai.CHECKS + checks_openai_features.CHECKS}
 
 
 @dataclass

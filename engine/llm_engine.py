@@ -9,6 +9,7 @@ produced so that no finished request is lost.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -28,6 +29,7 @@ from .request import Request
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .structured import Grammars
 
 log = logging.getLogger("engine")
 
@@ -60,6 +62,11 @@ class LLMEngine:
         self._pending_aborts: list[str] = []
         self._ids = itertools.count()
         self._failed_steps = 0  # forward passes failed in a row
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Built on the first structured request (it reads the whole vocabulary once)."""
+        return Grammars(self.tokenizer, self.arch.vocab_size, sorted(self.eos_token_ids))
 
     # ---- public API ----------------------------------------------------------------------
     @property
@@ -94,6 +101,8 @@ class LLMEngine:
                for t in prompt_token_ids):
             raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
         params = params.for_vocab(vocab)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # a bad grammar names its field
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
@@ -129,7 +138,9 @@ class LLMEngine:
                 self.tokenizer, params.skip_special_tokens,
                 token_ids[-PROMPT_DETOKENIZE_CONTEXT:]),
             stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
-            prefill_after=self._requests.get(prefill_after) if prefill_after else None)
+            prefill_after=self._requests.get(prefill_after) if prefill_after else None,
+            matcher=(self.grammars.matcher(params.structured)
+                     if params.structured is not None else None))
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -203,6 +214,14 @@ class LLMEngine:
         if request.first_token_time is None:
             request.first_token_time = now
         token_id = sampled.token_id
+        if request.matcher is not None:
+            if not request.matcher.accept_token(token_id):
+                raise RuntimeError(f"the grammar refused token {token_id}")
+            if request.matcher.is_terminated():  # the grammar is complete: EOS came
+                drained = self._drain(request)
+                eos = token_id in request.eos_token_ids
+                reason = FinishReason.EOS if eos else FinishReason.STOP
+                return self._finish(request, reason, now, None, drained.text)
         if token_id in params.stop_token_ids:
             drained = self._drain(request)
             return self._finish(request, FinishReason.STOP, now, token_id, drained.text)

@@ -35,6 +35,7 @@ class Request:
     first_token_time: float | None = None
     num_preemptions: int = 0
     prefill_after: Request | None = None  # a sibling whose prompt prefill this one waits for
+    matcher: object | None = None  # xgrammar GrammarMatcher of a structured request
 
     @property
     def waits_for_sibling(self) -> bool:

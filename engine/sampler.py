@@ -18,6 +18,7 @@ from kernels import reference
 from .outputs import TopLogprob
 from .request import Request
 from .sampling_state import SamplingState
+from .structured import TokenBitmask
 
 _SEED_MASK = (1 << 62) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -59,6 +60,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self._rng = torch.Generator().manual_seed(seed)
         self.state = SamplingState(vocab_size, max_model_len, device)
+        self.bitmask = TokenBitmask(vocab_size)
 
     def release(self, request_id: str) -> None:
         """The request has ended: its per-request rows go back to the pools."""
@@ -77,6 +79,8 @@ class Sampler:
             logprobs = torch.log_softmax(logits, dim=-1)
         if any(p.logit_bias or p.min_tokens or p.needs_penalties for p in params):
             logits = self.state.apply(logits, requests)
+        if any(r.matcher is not None for r in requests):
+            self.bitmask.apply(logits, [r.matcher for r in requests])
 
         if all(p.greedy for p in params):
             token_ids = logits.argmax(dim=-1)

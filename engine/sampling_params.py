@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from .errors import InvalidRequestError
+from .structured import StructuredOutput
 
 MAX_LOGPROBS = 20
 # Below this, logits / T overflows float32 (vLLM raises such temperatures to the same floor).
@@ -57,6 +58,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         temperature = _check_number("temperature", self.temperature)
@@ -104,6 +106,8 @@ class SamplingParams:
                 _fail("logit_bias", "a map of token ids to biases in [-100, 100]", self.logit_bias)
             bias[token_id] = float(value)
         object.__setattr__(self, "logit_bias", bias)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            _fail("structured", "a StructuredOutput", self.structured)
 
     @property
     def greedy(self) -> bool:

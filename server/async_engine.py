@@ -153,6 +153,7 @@ class AsyncEngine:
             max_model_len=engine.max_model_len, vocab_size=engine.arch.vocab_size,
             num_kv_blocks=engine.kv_cache.num_blocks, block_size=engine.kv_cache.block_size)
         self.stats = EngineStats()
+        engine.grammars  # built now (~1 s): not on the event loop at the first structured request
 
     # ---- lifecycle ----------------------------------------------------------------------
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:

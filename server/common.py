@@ -10,6 +10,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from engine import Completion, FinishReason, InvalidRequestError, SamplingParams
+from engine.structured import StructuredOutput
 
 from .async_engine import AsyncEngine, StreamFailure, StreamItem
 from .config import ServerConfig
@@ -100,11 +101,12 @@ async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
 # SamplingParams fields a body may set by the same name (nano-vllm's fields() filter); logprobs
 # and max_tokens differ per route and are passed in
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams)
-                         if f.name not in ("logprobs", "max_tokens"))
+                         if f.name not in ("logprobs", "max_tokens", "structured"))
 
 
 def sampling_params(body: SamplingFields, logprobs: int | None,
-                    max_tokens: int | None = None) -> SamplingParams:
+                    max_tokens: int | None = None,
+                    structured: StructuredOutput | None = None) -> SamplingParams:
     """The body's sampling fields that are set; the rest keep SamplingParams' defaults."""
     options = {name: value for name in _SAMPLING_FIELDS
                if (value := getattr(body, name)) is not None}
@@ -112,7 +114,7 @@ def sampling_params(body: SamplingFields, logprobs: int | None,
     if max_tokens is not None:
         options["max_tokens"] = max_tokens
     try:
-        return SamplingParams(logprobs=logprobs, **options)
+        return SamplingParams(logprobs=logprobs, structured=structured, **options)
     except InvalidRequestError as exc:
         raise ApiError(400, "invalid_request", str(exc), exc.param) from None
 

@@ -73,8 +73,9 @@ class PromptTokenizer:
         """Token ids -> text (ids outside the vocabulary are the caller's to refuse)."""
         return await self._run(field, self._tokenizer.decode, token_ids)
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The chat template applied to the messages, tokenized."""
+    async def encode_chat(self, messages: list[dict],
+                          tools: tuple[dict, ...] | None = None) -> list[int]:
+        """The chat template applied to the messages (and tools), tokenized."""
         chars = 0
         for i, message in enumerate(messages):
             for key, value in message.items():
@@ -82,11 +83,12 @@ class PromptTokenizer:
                     check_text(f"messages.{i}.{key}", value)
                     chars += len(value)
         self._check_length("messages", chars)
-        return await self._run("messages", self._chat_ids, messages)
+        return await self._run("messages", self._chat_ids, messages, tools)
 
-    def _chat_ids(self, messages: list[dict]) -> list[int]:
-        text = self._tokenizer.apply_chat_template(messages, tokenize=False,
-                                                   add_generation_prompt=True)
+    def _chat_ids(self, messages: list[dict], tools: tuple[dict, ...] | None) -> list[int]:
+        text = self._tokenizer.apply_chat_template(
+            messages, tools=list(tools) if tools else None, tokenize=False,
+            add_generation_prompt=True)
         return self._tokenizer.encode(text, add_special_tokens=False)
 
     def decode_token(self, token_id: int) -> str:

@@ -5,6 +5,8 @@ chunk with a finish_reason (`stop` for EOS, a stop string or stop token; `length
 sends `data: {"error": ...}` with no finish_reason, then [DONE]. Usage is always in
 non-streaming responses and, when stream_options.include_usage is set, in a last chunk with no
 choices. A list of prompts and `n` give len(prompts) x n choices, index = prompt * n + j.
+Structured output (response_format, vLLM's structured_outputs / guided_*) is enforced by a
+grammar in the sampler (server/structured.py); tools and tool_choice by server/tools.py.
 """
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ from .async_engine import now
 from .common import STATE, ApiError, error_body, new_request_id, parse_body, sampling_params
 from .driver import Choice, Payload, Renderer, respond
 from .schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIFields
+from .structured import structured_output
+from .tools import ToolPlan, tool_plan
 
 OPENAI_REASON = {FinishReason.EOS: "stop", FinishReason.STOP: "stop",
                  FinishReason.LENGTH: "length"}
 # documented by OpenAI, not served yet: setting one is a 400 naming it (None / False is unset)
-UNSUPPORTED = ("response_format", "service_tier", "metadata", "suffix", "tools", "functions",
-               "function_call", "audio", "modalities", "prediction", "reasoning_effort",
-               "web_search_options")
+UNSUPPORTED = ("service_tier", "metadata", "suffix", "functions", "function_call", "audio",
+               "modalities", "prediction", "reasoning_effort", "web_search_options")
 
 
 def check_model(state, model: str | None) -> None:
@@ -38,10 +41,6 @@ def _check_supported(body: OpenAIFields) -> None:
         if getattr(body, name, None) not in (None, False):
             raise ApiError(400, "unsupported_parameter",
                            f"{name} is not supported by this server yet", name)
-    tool_choice = getattr(body, "tool_choice", None)
-    if tool_choice not in (None, "none", "auto"):  # with no tools, auto means none
-        raise ApiError(400, "unsupported_parameter", "tool_choice is not supported by this "
-                       "server yet (without tools only 'none' and 'auto')", "tool_choice")
     best_of = getattr(body, "best_of", None)
     if best_of is not None and best_of != body.n:
         raise ApiError(400, "unsupported_parameter", "best_of other than n is not supported",
@@ -136,9 +135,25 @@ class ChatRenderer(OpenAIRenderer):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, state, request_id, body) -> None:
+    def __init__(self, state, request_id, body, plan: ToolPlan | None) -> None:
         super().__init__(state, request_id, body, body.logprobs)
         self._started: set[int] = set()
+        self.plan = plan
+        self._held: dict[int, list[str]] = {}  # streamed text held back for the tool parser
+
+    def _message(self, text: str, finish: str) -> tuple[dict, str]:
+        """The assistant message of a finished choice, and its finish_reason."""
+        if self.plan is None:
+            return {"role": "assistant", "content": text}, finish
+        try:
+            content, calls = self.plan.parse(text)
+        except (ValueError, KeyError, TypeError):  # cut off by max_tokens: not a whole call
+            return {"role": "assistant", "content": text}, finish
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.wire() for c in calls]
+            finish = "tool_calls" if finish == "stop" else finish
+        return message, finish
 
     def _logprobs(self, tokens) -> dict | None:
         if not self.want_logprobs or not tokens:
@@ -156,19 +171,31 @@ class ChatRenderer(OpenAIRenderer):
         return {"content": text} if text or not final else {}
 
     def token(self, index, token) -> list[Payload]:
+        if self.plan is not None and self.plan.buffers_output:
+            self._held.setdefault(index, []).append(token.text)
+            return []
         return [self.chunk({"index": index, "delta": self._delta(index, token.text, False),
                             "logprobs": self._logprobs([token]), "finish_reason": None})]
 
     def finish(self, index, completion) -> list[Payload]:
+        finish = OPENAI_REASON[completion.reason]
+        if self.plan is not None and self.plan.buffers_output:
+            text = "".join(self._held.pop(index, [])) + completion.tail_text
+            message, finish = self._message(text, finish)
+            delta = {"role": "assistant", "content": message["content"]}
+            if "tool_calls" in message:
+                delta["tool_calls"] = [{"index": i, **call}
+                                       for i, call in enumerate(message["tool_calls"])]
+            return [self.chunk({"index": index, "delta": delta, "logprobs": None,
+                                "finish_reason": finish})]
         return [self.chunk({"index": index,
                             "delta": self._delta(index, completion.tail_text, True),
-                            "logprobs": None,
-                            "finish_reason": OPENAI_REASON[completion.reason]})]
+                            "logprobs": None, "finish_reason": finish})]
 
     def full_choice(self, choice: Choice) -> dict:
-        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": self._logprobs(choice.tokens),
-                "finish_reason": OPENAI_REASON[choice.completion.reason]}
+        message, finish = self._message(choice.text, OPENAI_REASON[choice.completion.reason])
+        return {"index": choice.index, "message": message,
+                "logprobs": self._logprobs(choice.tokens), "finish_reason": finish}
 
 
 def _prompt_list(prompt) -> list:
@@ -204,7 +231,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     echo = None
     if body.echo:
         echo = [p if isinstance(p, str) else await tokenizer.decode(p) for p in prompts]
-    params = sampling_params(body, body.logprobs)
+    params = sampling_params(body, body.logprobs, structured=structured_output(body))
     request_id = _start(state, "cmpl")
     items = state.engine.submit(request_id, ids, params, arrival, body.n)
     renderer = CompletionRenderer(state, request_id, body, echo)
@@ -217,17 +244,25 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
     check_model(state, body.model)
     _check_supported(body)
+    plan = tool_plan(body.tools, body.tool_choice)
+    structured = structured_output(body)
+    forced = plan.structured() if plan is not None else None
+    if forced is not None and structured is not None:
+        raise ApiError(400, "invalid_request", "a required or named tool_choice cannot be "
+                       "combined with response_format", "tool_choice")
     messages = [m.for_template() for m in body.messages]
-    prompt_ids = await state.engine.prompts.encode_chat(messages)
+    prompt_ids = await state.engine.prompts.encode_chat(messages,
+                                                        plan.tools if plan else None)
     max_tokens = body.max_completion_tokens
     if max_tokens is None:  # OpenAI's default: whatever the context leaves
         max_tokens = body.max_tokens or max(1, state.engine.card.max_model_len - len(prompt_ids))
     top = body.top_logprobs if body.logprobs else None
-    params = sampling_params(body, (top or 0) if body.logprobs else None, max_tokens)
+    params = sampling_params(body, (top or 0) if body.logprobs else None, max_tokens,
+                             forced or structured)
     request_id = _start(state, "chatcmpl")
     items = state.engine.submit(request_id, [prompt_ids], params, arrival, body.n)
-    return await respond(request, request_id, items, ChatRenderer(state, request_id, body),
-                         body.stream)
+    renderer = ChatRenderer(state, request_id, body, plan)
+    return await respond(request, request_id, items, renderer, body.stream)
 
 
 def _start(state, prefix: str) -> str:

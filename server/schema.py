@@ -99,8 +99,8 @@ MAX_CHOICES = 64  # n x prompts per request: each choice is an engine request
 
 
 class OpenAIFields(SamplingFields):
-    """Fields both OpenAI routes take. The `unsupported` ones are documented by OpenAI but not
-    served yet: a request that sets one gets a 400 naming it (routes_openai.py)."""
+    """Fields both OpenAI routes take. Those in routes_openai.UNSUPPORTED are documented by
+    OpenAI but not served yet: a request that sets one gets a 400 naming it."""
 
     model: str | None = None
     stream: bool = False
@@ -108,6 +108,12 @@ class OpenAIFields(SamplingFields):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
     response_format: dict | None = None
+    # vLLM's extensions for structured output (server/structured.py)
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     service_tier: str | None = None
     store: bool | None = None
     metadata: dict | None = None

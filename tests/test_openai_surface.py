@@ -135,10 +135,9 @@ def test_echo_prepends_the_prompt(client, model):
 
 
 @pytest.mark.parametrize("route,field,value", [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "audio", {"voice": "alloy"}),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "reasoning_effort", "low"),
     ("/v1/completions", "suffix", "end"),
     ("/v1/completions", "best_of", 3),
 ])
