@@ -1,4 +1,4 @@
-"""python -m bench {throughput,profile,kernels,serve,conformance,grammar} ..."""
+"""python -m bench {throughput,profile,kernels,serve,conformance,grammar,loading} ..."""
 from __future__ import annotations
 
 import importlib
@@ -11,6 +11,7 @@ COMMANDS = {
     "serve": "bench.serve",
     "conformance": "bench.conformance",
     "grammar": "bench.grammar",
+    "loading": "bench.loading",
 }
 
 

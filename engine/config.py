@@ -16,11 +16,13 @@ def parse_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache size: give `num_blocks`, or `cache_bytes` (all layers, K and V)."""
+    """Paged KV cache size: `num_blocks`, or `cache_bytes` (all layers, K and V), or neither:
+    sized from the device's memory (engine/memory.py)."""
 
     block_size: int = 16
     num_blocks: int | None = None
-    cache_bytes: int | None = 1024 * 1024 * 1024
+    cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of device memory this engine takes
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -28,8 +30,11 @@ class CacheConfig:
             raise ValueError(f"block_size must be 16 or 32, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.num_blocks is None and (self.cache_bytes is None or self.cache_bytes <= 0):
-            raise ValueError("cache_bytes must be > 0 when num_blocks is not given")
+        if self.cache_bytes is not None and self.cache_bytes <= 0:
+            raise ValueError(f"cache_bytes must be > 0, got {self.cache_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from .llm_engine import LLMEngine
 from .outputs import RequestOutput, TokenOutput
 from .sampling_params import SamplingParams
 
-_CACHE_KEYS = {"block_size", "num_blocks", "cache_bytes", "enable_prefix_caching"}
+_CACHE_KEYS = {"block_size", "num_blocks", "cache_bytes", "gpu_memory_utilization",
+               "enable_prefix_caching"}
 _SCHEDULER_KEYS = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
 
 

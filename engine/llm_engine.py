@@ -22,6 +22,7 @@ from .default_model import default_model_path
 from .detokenizer import IncrementalDetokenizer, StopCheck, StopStringMatcher
 from .errors import EngineDeadError, InvalidRequestError
 from .kv_cache import KVCacheManager
+from .memory import num_cache_blocks
 from .model_runner import ModelRunner
 from .models import ModelArch
 from .outputs import (Completion, FinishReason, GenerationStep, RequestTiming, TokenOutput)
@@ -37,6 +38,33 @@ MAX_FAILED_STEPS = 3  # forward passes failing in a row before the engine declar
 PROMPT_DETOKENIZE_CONTEXT = 5  # prompt tokens the detokenizer sees before the output (as vLLM)
 
 
+def resolve_max_model_len(config: EngineConfig, arch: ModelArch, blocks: int) -> int:
+    """The longest sequence served: --max-model-len, else the model's positions, capped by
+    what the KV cache holds (one sequence of max_model_len must always fit, so a request
+    alone can always finish). Refuses, in one line, a max_model_len the cache cannot hold and
+    a sliding-window model past its window (this engine attends to the whole context)."""
+    positions = arch.max_position_embeddings
+    capacity = blocks * config.cache.block_size
+    wanted = config.scheduler.max_model_len
+    if wanted is not None and wanted > positions:
+        raise ValueError(f"max_model_len {wanted} exceeds the model's "
+                         f"max_position_embeddings {positions}")
+    if wanted is not None and wanted > capacity:
+        raise ValueError(f"max_model_len {wanted} does not fit the KV cache ({blocks} blocks of "
+                         f"{config.cache.block_size} = {capacity} tokens): raise cache_bytes / "
+                         f"num_blocks or lower max_model_len")
+    max_model_len = wanted or min(positions, capacity)
+    if wanted is None and capacity < positions:
+        log.info("max_model_len %d (the KV cache's %d blocks; the model has %d positions)",
+                 max_model_len, blocks, positions)
+    window = arch.sliding_window
+    if window is not None and window < max_model_len:
+        raise ValueError(f"{arch.architecture} uses sliding-window attention (window {window}), "
+                         f"which this engine does not implement: serve it with max_model_len "
+                         f"<= {window} (got {max_model_len})")
+    return max_model_len
+
+
 class LLMEngine:
     """Single-threaded: call it from one thread (server/async_engine.py hosts it)."""
 
@@ -45,12 +73,10 @@ class LLMEngine:
         self.model_path = Path(config.model) if config.model else default_model_path()
         self.arch = ModelArch.from_folder(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-        self.max_model_len = config.scheduler.max_model_len or self.arch.max_position_embeddings
-        if self.max_model_len > self.arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {self.arch.max_position_embeddings}")
-        self.runner = ModelRunner(config, self.arch, self.model_path, self.max_model_len)
+        num_blocks = num_cache_blocks(config, self.arch)  # before the weights take memory
+        self.max_model_len = resolve_max_model_len(config, self.arch, num_blocks)
+        self.runner = ModelRunner(config, self.arch, self.model_path, self.max_model_len,
+                                  num_blocks)
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                        config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
@@ -108,11 +134,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 "max_tokens", f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
                 f"({params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
-        blocks = self.kv_cache.blocks_needed(total)
-        if blocks > self.kv_cache.num_blocks:
-            raise InvalidRequestError(
-                "max_tokens", f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks "
-                f"but the cache has {self.kv_cache.num_blocks}")
+        # No KV-block check here: max_model_len fits the cache (resolve_max_model_len), so a
+        # request is admitted by what it needs now, and a full cache preempts (scheduler.py).
         return params
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

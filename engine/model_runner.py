@@ -9,7 +9,8 @@ from torch.profiler import record_function
 
 from .attention import AttentionMetadata, make_attention_backend
 from .config import EngineConfig
-from .cpu_allocator import available_memory_bytes, keep_buffers_on_heap
+from .cpu_allocator import keep_buffers_on_heap
+from .memory import check_cache_fits_memory
 from .models import ForwardContext, ModelArch, build_model
 from .request import Request
 from .sampler import SampledToken, Sampler
@@ -25,31 +26,10 @@ class ModelInput:
     sample_requests: list[Request]  # [S]
 
 
-def num_cache_blocks(config: EngineConfig, arch: ModelArch) -> int:
-    if config.cache.num_blocks is not None:
-        return config.cache.num_blocks
-    per_block = arch.kv_bytes_per_token(config.torch_dtype) * config.cache.block_size
-    blocks = config.cache.cache_bytes // per_block
-    if blocks < 1:
-        raise ValueError(f"cache_bytes={config.cache.cache_bytes} holds no block of "
-                         f"{per_block} bytes")
-    return blocks
-
-
-def check_cache_fits_memory(num_blocks: int, config: EngineConfig, arch: ModelArch) -> None:
-    """A CPU cache larger than the memory left after the weights fails here with a message,
-    not later in the kernel's OOM killer."""
-    need = num_blocks * config.cache.block_size * arch.kv_bytes_per_token(config.torch_dtype)
-    available = available_memory_bytes()
-    if available is not None and need > available:
-        raise ValueError(
-            f"the KV cache (cache_bytes / num_blocks) needs {need / 2**30:.2f} GiB but only "
-            f"{available / 2**30:.2f} GiB of memory is available; lower cache_bytes")
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch, folder: Path | None,
-                 max_model_len: int) -> None:
+                 max_model_len: int, num_blocks: int) -> None:
+        """num_blocks: the KV cache's size, from engine/memory.py (computed before loading)."""
         self.config = config
         self.arch = arch
         self.device = torch.device(config.device)
@@ -61,7 +41,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             self.model.prepack_weights(batch_hint=config.scheduler.max_num_seqs)
         self.backend = make_attention_backend(config.use_triton("attention"))
-        self.num_blocks = num_cache_blocks(config, arch)
+        self.num_blocks = num_blocks
         if self.device.type == "cpu":
             check_cache_fits_memory(self.num_blocks, config, arch)
         shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
@@ -69,9 +49,15 @@ class ModelRunner:
         # with NaN), so the contents need no initialising. On the CPU the pages are touched once
         # here all the same: otherwise first-touch page faults land inside the decode steps.
         allocate = torch.zeros if self.device.type == "cpu" else torch.empty
-        self.kv_caches = [(allocate(shape, dtype=config.torch_dtype, device=self.device),
-                           allocate(shape, dtype=config.torch_dtype, device=self.device))
-                          for _ in range(arch.num_layers)]
+        try:
+            self.kv_caches = [(allocate(shape, dtype=config.torch_dtype, device=self.device),
+                               allocate(shape, dtype=config.torch_dtype, device=self.device))
+                              for _ in range(arch.num_layers)]
+        except torch.OutOfMemoryError:
+            need = self.num_blocks * self.block_size * arch.kv_bytes_per_token(config.torch_dtype)
+            raise ValueError(f"the KV cache ({need / 2**30:.2f} GiB, {self.num_blocks} blocks) "
+                             f"does not fit in {self.device} memory next to the weights; lower "
+                             f"cache_bytes / num_blocks") from None
         self.sampler = Sampler(config.use_triton("sampler"), arch.vocab_size, config.seed,
                                max_model_len, self.device)
 

@@ -16,9 +16,14 @@ import json
 from dataclasses import dataclass
 
 import torch
-import xgrammar as xgr
 
 from .errors import InvalidRequestError
+
+
+def _xgrammar():
+    """Imported on first use: an engine that never sees a grammar never loads it."""
+    import xgrammar
+    return xgrammar
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -43,11 +48,13 @@ class Grammars:
     """One per engine: the compiler, built for its tokenizer, with xgrammar's cache."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        xgr = _xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info)
 
-    def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+    def compile(self, spec: StructuredOutput):
+        """-> an xgrammar CompiledGrammar."""
         try:
             if spec.kind == "json":
                 return self.compiler.compile_json_schema(spec.value, any_whitespace=False)
@@ -64,8 +71,9 @@ class Grammars:
             raise InvalidRequestError(spec.param, f"{spec.param} does not compile: "
                                       f"{type(exc).__name__}: {exc}") from None
 
-    def matcher(self, spec: StructuredOutput) -> xgr.GrammarMatcher:
-        return xgr.GrammarMatcher(self.compile(spec))
+    def matcher(self, spec: StructuredOutput):
+        """-> a fresh xgrammar GrammarMatcher for one request."""
+        return _xgrammar().GrammarMatcher(self.compile(spec))
 
 
 class TokenBitmask:
@@ -73,7 +81,7 @@ class TokenBitmask:
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._bitmask: torch.Tensor | None = None  # allocated at the first structured batch
 
     def apply(self, logits: torch.Tensor, matchers: list) -> None:
         """In place: logits [B, V] rows with a matcher keep only the tokens it allows; rows
@@ -81,8 +89,9 @@ class TokenBitmask:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
+        xgr = _xgrammar()
         batch = logits.shape[0]
-        if self._bitmask.shape[0] < batch:
+        if self._bitmask is None or self._bitmask.shape[0] < batch:
             self._bitmask = xgr.allocate_token_bitmask(batch, self.vocab_size)
         bitmask = self._bitmask[:batch]
         for row in rows:

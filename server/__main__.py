@@ -32,8 +32,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=e.dtype, choices=["float32", "float16", "bfloat16"])
     p.add_argument("--block-size", type=int, default=c.block_size)
     p.add_argument("--num-blocks", type=int, default=c.num_blocks)
-    p.add_argument("--cache-bytes", type=int, default=c.cache_bytes,
-                   help="KV cache size, all layers (ignored with --num-blocks)")
+    p.add_argument("--kv-cache-memory", "--cache-bytes", dest="cache_bytes", type=int,
+                   default=c.cache_bytes, help="KV cache bytes, all layers (default: sized "
+                   "from free memory; ignored with --num-blocks)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=c.gpu_memory_utilization,
+                   help="CUDA: the share of device memory for weights, activations and cache")
     p.add_argument("--no-prefix-caching", action="store_true",
                    default=not c.enable_prefix_caching)
     p.add_argument("--max-num-seqs", type=int, default=q.max_num_seqs)
@@ -60,6 +63,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     return LLMEngine(build_config(
         args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         num_blocks=args.num_blocks, cache_bytes=None if args.num_blocks else args.cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, sampler_backend=args.sampler_backend,

@@ -117,7 +117,8 @@ def test_rejects_requests_that_can_never_run(tiny_model):
     from engine import InvalidRequestError
     engine = LLMEngine(EngineConfig(model=tiny_model,
                                     cache=build_config(num_blocks=4).cache))
-    with pytest.raises(InvalidRequestError, match="KV blocks"):
+    assert engine.max_model_len == 64  # capped by the 4-block cache
+    with pytest.raises(InvalidRequestError, match="max_model_len 64"):
         engine.add_request("hello " * 40, SamplingParams(max_tokens=30))
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         engine.add_request("hello", SamplingParams(max_tokens=600))

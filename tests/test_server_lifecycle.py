@@ -142,6 +142,7 @@ def test_a_dead_engine_ends_its_streams_and_exits_1(tiny_model):
     (("--cache-bytes", str(1 << 50)), "cache_bytes"),
     (("--max-model-len", "0"), "max_model_len"),
     (("--max-model-len", "100000"), "max_position_embeddings"),
+    (("--num-blocks", "4", "--max-model-len", "256"), "does not fit the KV cache"),
 ])
 def test_bad_startup_option_exits_2_with_one_error_line(tiny_model, extra, message):
     done = subprocess.run([sys.executable, "-m", "server", "--model", tiny_model,

@@ -15,6 +15,15 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
+def _sliding_window(config: dict) -> int | None:
+    """Mistral sets `sliding_window` (null when off); Qwen2 / Qwen3 only use theirs when
+    `use_sliding_window` is true."""
+    window = config.get("sliding_window")
+    if config.get("model_type") in ("qwen2", "qwen3") or "use_sliding_window" in config:
+        window = window if config.get("use_sliding_window") else None
+    return int(window) if window else None
+
+
 @dataclass(frozen=True)
 class ModelArch:
     architecture: str
@@ -33,6 +42,7 @@ class ModelArch:
     qkv_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None  # attention window when the model uses one
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelArch":
@@ -78,6 +88,7 @@ class ModelArch:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=eos_ids,
+            sliding_window=_sliding_window(config),
         )
 
     @property

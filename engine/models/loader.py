@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from .arch import ModelArch
-from .decoder import DecoderForCausalLM
+from .decoder import DecoderForCausalLM, RotaryEmbedding
 
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -129,11 +130,20 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int = 0) -> None:
 def build_model(arch: ModelArch, folder: str | Path | None, dtype: torch.dtype,
                 device: torch.device, max_positions: int, dummy: bool = False,
                 seed: int = 0) -> DecoderForCausalLM:
-    model = DecoderForCausalLM(arch, max_positions)
+    """Built on the meta device (no memory, no random init), then each parameter allocated
+    once, on the target device in the target dtype, and filled from the checkpoint one tensor
+    at a time (cast and copied as it is read from its shard). Host memory peaks near the
+    weights in the target dtype (on the CPU) plus the largest tensor, instead of an fp32 copy
+    of the whole model plus its cast (bench/loading.py measures it)."""
+    with torch.device("meta"):
+        model = DecoderForCausalLM(arch, max_positions)
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(
+                torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False))
+    model.rope = RotaryEmbedding(arch, max_positions).to(device)  # the fp32 cos/sin table
     if dummy:
         init_dummy_weights(model, seed)
     else:
         load_weights(model, folder)
-    for param in model.parameters():  # the rope cos/sin table stays in fp32
-        param.data = param.data.to(dtype)
-    return model.to(device).eval()
+    return model.eval()
