@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             x = logits.clone()
             start = time.perf_counter()
-            bitmask.apply(x, matchers)
+            bitmask.apply(x, bitmask.fill(matchers))
             times.append((time.perf_counter() - start) * 1e3)
         print(f"  {name:<12} {statistics.median(times):7.2f} ms")
     return 0

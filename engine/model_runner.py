@@ -80,6 +80,7 @@ class ModelRunner:
         with record_function("prepare"):
             model_input = self.prepare(schedule.scheduled)
         ctx = ForwardContext(model_input.meta, self.kv_caches, self.backend)
+        masks = self.sampler.start_masks(model_input.sample_requests)  # overlaps the forward
         with record_function("forward"):
             hidden = self.model(model_input.input_ids, model_input.positions, ctx)
         if not model_input.sample_requests:
@@ -87,7 +88,7 @@ class ModelRunner:
         with record_function("logits"):
             logits = self.model.compute_logits(hidden[model_input.sample_indices])  # [S, V]
         with record_function("sampler"):
-            sampled = self.sampler(logits, model_input.sample_requests)
+            sampled = self.sampler(logits, model_input.sample_requests, masks)
         return {r.request_id: s for r, s in zip(model_input.sample_requests, sampled)}
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInput:

@@ -8,6 +8,7 @@ the same arguments.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -66,9 +67,17 @@ class Sampler:
         """The request has ended: its per-request rows go back to the pools."""
         self.state.release(request_id)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+    def start_masks(self, requests: list[Request]) -> Future | None:
+        """Starts filling the grammar bitmasks of the rows that have one (call it before the
+        forward, so the fills overlap it); pass the result to __call__."""
+        if any(r.matcher is not None for r in requests):
+            return self.bitmask.fill([r.matcher for r in requests])
+        return None
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 masks: Future | None = None) -> list[SampledToken]:
         """logits [B, V] for the B requests that sample this step (in that order); the rows
-        may be changed in place."""
+        may be changed in place. masks: start_masks(requests), or None to fill them here."""
         logits = logits.float()
         device = logits.device
         params = [r.params for r in requests]
@@ -79,8 +88,7 @@ class Sampler:
             logprobs = torch.log_softmax(logits, dim=-1)
         if any(p.logit_bias or p.min_tokens or p.needs_penalties for p in params):
             logits = self.state.apply(logits, requests)
-        if any(r.matcher is not None for r in requests):
-            self.bitmask.apply(logits, [r.matcher for r in requests])
+        self.bitmask.apply(logits, masks if masks is not None else self.start_masks(requests))
 
         if all(p.greedy for p in params):
             token_ids = logits.argmax(dim=-1)
