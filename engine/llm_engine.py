@@ -22,7 +22,7 @@ from .default_model import default_model_path
 from .detokenizer import IncrementalDetokenizer, StopCheck, StopStringMatcher
 from .errors import EngineDeadError, InvalidRequestError
 from .kv_cache import KVCacheManager
-from .memory import num_cache_blocks
+from .memory import num_cache_blocks, resolve_max_model_len
 from .model_runner import ModelRunner
 from .models import ModelArch
 from .outputs import (Completion, FinishReason, GenerationStep, RequestTiming, TokenOutput)
@@ -36,33 +36,6 @@ log = logging.getLogger("engine")
 
 MAX_FAILED_STEPS = 3  # forward passes failing in a row before the engine declares itself dead
 PROMPT_DETOKENIZE_CONTEXT = 5  # prompt tokens the detokenizer sees before the output (as vLLM)
-
-
-def resolve_max_model_len(config: EngineConfig, arch: ModelArch, blocks: int) -> int:
-    """The longest sequence served: --max-model-len, else the model's positions, capped by
-    what the KV cache holds (one sequence of max_model_len must always fit, so a request
-    alone can always finish). Refuses, in one line, a max_model_len the cache cannot hold and
-    a sliding-window model past its window (this engine attends to the whole context)."""
-    positions = arch.max_position_embeddings
-    capacity = blocks * config.cache.block_size
-    wanted = config.scheduler.max_model_len
-    if wanted is not None and wanted > positions:
-        raise ValueError(f"max_model_len {wanted} exceeds the model's "
-                         f"max_position_embeddings {positions}")
-    if wanted is not None and wanted > capacity:
-        raise ValueError(f"max_model_len {wanted} does not fit the KV cache ({blocks} blocks of "
-                         f"{config.cache.block_size} = {capacity} tokens): raise cache_bytes / "
-                         f"num_blocks or lower max_model_len")
-    max_model_len = wanted or min(positions, capacity)
-    if wanted is None and capacity < positions:
-        log.info("max_model_len %d (the KV cache's %d blocks; the model has %d positions)",
-                 max_model_len, blocks, positions)
-    window = arch.sliding_window
-    if window is not None and window < max_model_len:
-        raise ValueError(f"{arch.architecture} uses sliding-window attention (window {window}), "
-                         f"which this engine does not implement: serve it with max_model_len "
-                         f"<= {window} (got {max_model_len})")
-    return max_model_len
 
 
 class LLMEngine:

@@ -1,6 +1,7 @@
 """How many KV-cache blocks to allocate: given (`num_blocks`), from a byte budget
 (`cache_bytes`, the CLI's --kv-cache-memory), or sized from the device's memory when neither
 is set. Computed once, before the weights load, by LLMEngine; the runner allocates it.
+Then max_model_len, which must fit in it (resolve_max_model_len).
 
 Auto sizing (cache_bytes=None):
 - CPU: min(CPU_MAX_AUTO_BYTES, CPU_AUTO_SHARE of MemAvailable after the weights, room for
@@ -13,11 +14,15 @@ Auto sizing (cache_bytes=None):
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .config import EngineConfig
 from .cpu_allocator import available_memory_bytes
 from .models import ModelArch
+
+log = logging.getLogger("engine")
 
 CPU_MAX_AUTO_BYTES = 4 << 30
 CPU_AUTO_SHARE = 0.5
@@ -94,3 +99,30 @@ def check_cache_fits_memory(num_blocks: int, config: EngineConfig, arch: ModelAr
         raise ValueError(
             f"the KV cache (cache_bytes / num_blocks) needs {need / 2**30:.2f} GiB but only "
             f"{available / 2**30:.2f} GiB of memory is available; lower cache_bytes")
+
+
+def resolve_max_model_len(config: EngineConfig, arch: ModelArch, blocks: int) -> int:
+    """The longest sequence served: --max-model-len, else the model's positions, capped by
+    what the KV cache holds (one sequence of max_model_len must always fit, so a request
+    alone can always finish). Refuses, in one line, a max_model_len the cache cannot hold and
+    a sliding-window model past its window (this engine attends to the whole context)."""
+    positions = arch.max_position_embeddings
+    capacity = blocks * config.cache.block_size
+    wanted = config.scheduler.max_model_len
+    if wanted is not None and wanted > positions:
+        raise ValueError(f"max_model_len {wanted} exceeds the model's "
+                         f"max_position_embeddings {positions}")
+    if wanted is not None and wanted > capacity:
+        raise ValueError(f"max_model_len {wanted} does not fit the KV cache ({blocks} blocks of "
+                         f"{config.cache.block_size} = {capacity} tokens): raise cache_bytes / "
+                         f"num_blocks or lower max_model_len")
+    max_model_len = wanted or min(positions, capacity)
+    if wanted is None and capacity < positions:
+        log.info("max_model_len %d (the KV cache's %d blocks; the model has %d positions)",
+                 max_model_len, blocks, positions)
+    window = arch.sliding_window
+    if window is not None and window < max_model_len:
+        raise ValueError(f"{arch.architecture} uses sliding-window attention (window {window}), "
+                         f"which this engine does not implement: serve it with max_model_len "
+                         f"<= {window} (got {max_model_len})")
+    return max_model_len
