@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config import DTYPE_CHOICES, EngineConfig
 from .llm import LLM
 from .sampling_params import SamplingParams
 
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPE_CHOICES)
     gen.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     llm = LLM(args.model, device=args.device, dtype=args.dtype)

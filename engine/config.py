@@ -8,6 +8,9 @@ import torch
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+DTYPE_CHOICES = ("auto", *_DTYPES)  # auto: the model's dtype where the device runs it (dtype.py)
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
@@ -58,7 +61,7 @@ class SchedulerConfig:
 class EngineConfig:
     model: str | None = None  # local HF folder; None means the embedded SmolLM2
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # resolved by LLMEngine before anything reads torch_dtype
     attention_backend: str = "auto"  # auto | torch | triton
     sampler_backend: str = "auto"  # auto | torch | triton
     load_format: str = "safetensors"  # safetensors | dummy
@@ -67,7 +70,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         for name in ("attention_backend", "sampler_backend"):
             value = getattr(self, name)
             if value not in ("auto", "torch", "triton"):

@@ -24,7 +24,7 @@ def build_config(model: str | None = None, **options) -> EngineConfig:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "float32",
+    def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "auto",
                  **options) -> None:
         self.engine = LLMEngine(build_config(model, device=device, dtype=dtype, **options))
 

@@ -9,6 +9,7 @@ produced so that no finished request is lost.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -20,6 +21,7 @@ from transformers import AutoTokenizer
 from .config import EngineConfig
 from .default_model import default_model_path
 from .detokenizer import IncrementalDetokenizer, StopCheck, StopStringMatcher
+from .dtype import resolve_dtype
 from .errors import EngineDeadError, InvalidRequestError
 from .kv_cache import KVCacheManager
 from .memory import num_cache_blocks, resolve_max_model_len
@@ -42,9 +44,11 @@ class LLMEngine:
     """Single-threaded: call it from one thread (server/async_engine.py hosts it)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.model_path = Path(config.model) if config.model else default_model_path()
         self.arch = ModelArch.from_folder(self.model_path)
+        config = dataclasses.replace(config, dtype=resolve_dtype(
+            config.dtype, self.arch.torch_dtype, config.device))
+        self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         num_blocks = num_cache_blocks(config, self.arch)  # before the weights take memory
         self.max_model_len = resolve_max_model_len(config, self.arch, num_blocks)

@@ -13,7 +13,7 @@ from dataclasses import fields
 from aiohttp import web
 
 from engine import LLMEngine
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import DTYPE_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm import build_config
 
 from .app import build_app, drain
@@ -30,7 +30,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default=v.host)
     p.add_argument("--port", type=int, default=v.port)
     p.add_argument("--device", default=e.device)
-    p.add_argument("--dtype", default=e.dtype, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default=e.dtype, choices=DTYPE_CHOICES,
+                   help="auto: the model's dtype, float32 on a CPU without native bf16")
     p.add_argument("--block-size", type=int, default=c.block_size)
     p.add_argument("--num-blocks", type=int, default=c.num_blocks)
     p.add_argument("--kv-cache-memory", "--cache-bytes", dest="cache_bytes", type=int,

@@ -94,7 +94,7 @@ def test_cpu_cache_is_sized_from_available_memory(tiny_model, monkeypatch):
     import engine.memory as memory
     from engine.config import EngineConfig
     arch = LLM(tiny_model, num_blocks=1).engine.arch
-    weights = memory.weight_bytes(EngineConfig(), arch)
+    weights = memory.weight_bytes(EngineConfig(dtype="float32"), arch)
     per_token = arch.kv_bytes_per_token(torch.float32)
     per_block = per_token * 16
     # half of what is left after the weights

@@ -43,6 +43,7 @@ class ModelArch:
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None  # attention window when the model uses one
+    torch_dtype: str | None = None  # the checkpoint's dtype, as config.json names it
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelArch":
@@ -89,6 +90,7 @@ class ModelArch:
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=eos_ids,
             sliding_window=_sliding_window(config),
+            torch_dtype=config.get("torch_dtype") or config.get("dtype"),
         )
 
     @property

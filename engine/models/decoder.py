@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend, AttentionMetadata
+from ..dtype import cpu_has_native_bf16
 from .arch import ModelArch, rope_inv_freq
 
 
@@ -33,8 +34,7 @@ def _onednn_linear_available() -> bool:
 def _onednn_dtypes() -> tuple[torch.dtype, ...]:
     """fp32 always; bf16 only where oneDNN's bf16 kernels run (AVX-512 BW/VL/DQ or
     AVX-NE-CONVERT): on an AVX2-only CPU its bf16 reorder raises, so bf16 stays on F.linear."""
-    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
+    return (torch.float32, torch.bfloat16) if cpu_has_native_bf16() else (torch.float32,)
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
