@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.parity import assert_parity, hf_greedy
+from tests.parity import TIE_GAP_BF16, assert_parity, hf_greedy
 
 
 def mixed_prompts(tokenizer, count=8, seed=0, shared_prefix=""):
@@ -122,3 +122,17 @@ def test_bucketed_decode_attention_matches_reference():
     torch.testing.assert_close(
         bucketed_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125),
         reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125))
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_bf16_parity_with_transformers_in_bf16(tiny_models, arch):
+    """bf16 against transformers in bf16 (the dtype a user on a bf16 CPU gets from --dtype
+    auto), with the bf16 tie rule (tests/parity.py)."""
+    import torch
+    folder = tiny_models[arch]
+    llm = LLM(folder, dtype="bfloat16")
+    prompts = mixed_prompts(llm.tokenizer, seed=5)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    refs = hf_greedy(folder, prompts, 16, set(llm.engine.eos_token_ids), torch.bfloat16)
+    ties = assert_parity([o.token_ids for o in outs], refs, TIE_GAP_BF16)
+    assert len(ties) <= len(prompts) // 2, ties  # most sequences agree to the last token
