@@ -38,3 +38,21 @@ def device() -> str:
     import torch
     return "cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "0" \
         else "cpu"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    """A real server on the tiny model, per test module (test_server.py has its own)."""
+    from engine import LLMEngine
+    from engine.llm import build_config
+    from tests.server_util import ServerThread
+    srv = ServerThread(LLMEngine(build_config(tiny_model)))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client against `server`."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

@@ -5,22 +5,7 @@ import json
 
 import pytest
 
-from tests.server_util import ServerThread, request, sse_payloads
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    from engine import LLMEngine
-    from engine.llm import build_config
-    srv = ServerThread(LLMEngine(build_config(tiny_model)))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+from tests.server_util import request, sse_payloads
 
 
 def test_completions_non_streaming(client, server):

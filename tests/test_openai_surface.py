@@ -11,24 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_util import ServerThread, request, sse_payloads
+from tests.server_util import request, sse_payloads
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    from engine import LLMEngine
-    from engine.llm import build_config
-    srv = ServerThread(LLMEngine(build_config(tiny_model)))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

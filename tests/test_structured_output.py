@@ -12,7 +12,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.structured import StructuredOutput
 from server.tools import tool_plan
-from tests.server_util import ServerThread, request, sse_payloads
+from tests.server_util import request, sse_payloads
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "ok", "size"],
           "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
@@ -32,21 +32,6 @@ TIME = {"type": "function", "function": {
 def valid(obj: dict) -> bool:
     return (set(obj) == {"color", "ok", "size"} and obj["color"] in ("red", "green", "blue")
             and isinstance(obj["ok"], bool) and obj["size"] in (1, 2, 3))
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    from engine import LLMEngine
-    from engine.llm import build_config
-    srv = ServerThread(LLMEngine(build_config(tiny_model)))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def chat(client, server, **options):
