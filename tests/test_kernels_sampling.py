@@ -112,7 +112,7 @@ def test_same_seeds_same_tokens_and_rows_independent(name, device):
 
 
 @pytest.mark.parametrize("name", SAMPLERS)
-def test_mixed_rows_in_one_batch(name):
+def test_mixed_rows_in_one_batch(name, device):
     """Greedy, top-k 1 and filtered rows side by side each obey their own parameters."""
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 1500, generator=gen)  # > one 1024-wide chunk in the interpreter
@@ -121,7 +121,8 @@ def test_mixed_rows_in_one_batch(name):
     top_p = torch.tensor([1.0, 1.0, 1.0, 1e-6, 1.0, 1.0])
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0])
     seeds = torch.arange(6, dtype=torch.int64)
-    tokens = SAMPLERS[name](logits, temperature, top_k, top_p, min_p, seeds)
+    tokens = SAMPLERS[name](*(t.to(device) for t in (logits, temperature, top_k, top_p, min_p,
+                                                     seeds))).cpu()
     argmax = logits.argmax(dim=-1)
     assert int(tokens[0]) == int(argmax[0])
     assert int(tokens[1]) == int(argmax[1])  # top-k 1
