@@ -177,6 +177,8 @@ class SamplingState:
 
     def record(self, requests: list[Request], token_ids: torch.Tensor) -> None:
         """token_ids [B]: the tokens just drawn for `requests`; counted for the penalties."""
+        if not self.penalties.counts.rows_in_use:  # the usual step: nobody is penalised
+            return
         at = [(i, rows.penalty) for i, r in enumerate(requests)
               if (rows := self._rows.get(r.request_id)) is not None and rows.penalty is not None]
         if at:
