@@ -25,6 +25,9 @@ setup(
         # Needed once, to convert the embedded SmolLM2 GGUF into safetensors.
         "gguf>=0.10",
         "accelerate>=0.30",
+        # Builds the CPU decode-attention op (kernels/cpu_ops.py) with torch's extension
+        # builder; without it (or a C++ compiler) the plain-torch path serves.
+        "ninja>=1.11",
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "matplotlib>=3.8"],

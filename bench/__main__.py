@@ -1,4 +1,5 @@
-"""python -m bench {throughput,profile,kernels,serve,conformance,grammar,loading} ..."""
+"""python -m bench {throughput,profile,kernels,serve,conformance,grammar,loading,
+    engine-check} ..."""
 from __future__ import annotations
 
 import importlib
@@ -12,6 +13,7 @@ COMMANDS = {
     "conformance": "bench.conformance",
     "grammar": "bench.grammar",
     "loading": "bench.loading",
+    "engine-check": "bench.engine_check",
 }
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from kernels import reference
+from kernels import cpu_ops, reference
 
 
 @dataclass(frozen=True)
@@ -79,12 +79,21 @@ def bucketed_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 class TorchAttention(AttentionBackend):
+    """Plain torch, except decode on the CPU: the C++ op that reads the cache in place
+    (kernels/cpu_ops.py) when it could be built, 2-3x faster than gathering (docs/benchmarks.md)."""
+
     name = "torch"
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu_decode = cpu_ops.paged_decode_attention() if device.type == "cpu" else None
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         reference.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
     def decode(self, q, k_cache, v_cache, meta, scale):
+        if self.cpu_decode is not None:
+            return self.cpu_decode(q, k_cache, v_cache, meta.decode_block_tables,
+                                   meta.decode_seq_lens, scale)
         return bucketed_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                          meta.decode_seq_lens, scale)
 
@@ -111,5 +120,5 @@ class TritonAttention(AttentionBackend):
                                                scale, max_q_len=meta.prefill_max_q_len)
 
 
-def make_attention_backend(use_triton: bool) -> AttentionBackend:
-    return TritonAttention() if use_triton else TorchAttention()
+def make_attention_backend(use_triton: bool, device: torch.device) -> AttentionBackend:
+    return TritonAttention() if use_triton else TorchAttention(device)

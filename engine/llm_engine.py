@@ -24,7 +24,8 @@ from .detokenizer import IncrementalDetokenizer, StopCheck, StopStringMatcher
 from .dtype import resolve_dtype
 from .errors import EngineDeadError, InvalidRequestError
 from .kv_cache import KVCacheManager
-from .memory import num_cache_blocks, resolve_max_model_len
+from .memory import (num_cache_blocks, profiled_cache_blocks, profiles_cache,
+                     resolve_max_model_len)
 from .model_runner import ModelRunner
 from .models import ModelArch
 from .outputs import (Completion, FinishReason, GenerationStep, RequestTiming, TokenOutput)
@@ -50,11 +51,16 @@ class LLMEngine:
             config.dtype, self.arch.torch_dtype, config.device))
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
-        num_blocks = num_cache_blocks(config, self.arch)  # before the weights take memory
+        # the CPU's cache is sized before the weights take memory, CUDA's after (profiled)
+        num_blocks = None if profiles_cache(config) else num_cache_blocks(config, self.arch)
+        max_positions = config.scheduler.max_model_len or self.arch.max_position_embeddings
+        self.runner = ModelRunner(config, self.arch, self.model_path, max_positions)
+        if num_blocks is None:
+            peak = self.runner.profile_peak_bytes(max_positions)
+            num_blocks = profiled_cache_blocks(config, self.arch, peak)
         self.max_model_len = resolve_max_model_len(config, self.arch, num_blocks)
-        self.runner = ModelRunner(config, self.arch, self.model_path, self.max_model_len,
-                                  num_blocks)
-        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+        self.runner.allocate(num_blocks, self.max_model_len)
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
                                        config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         eos = set(self.arch.eos_token_ids)

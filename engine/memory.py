@@ -1,16 +1,15 @@
 """How many KV-cache blocks to allocate: given (`num_blocks`), from a byte budget
 (`cache_bytes`, the CLI's --kv-cache-memory), or sized from the device's memory when neither
-is set. Computed once, before the weights load, by LLMEngine; the runner allocates it.
-Then max_model_len, which must fit in it (resolve_max_model_len).
+is set. Then max_model_len, which must fit in it (resolve_max_model_len).
 
 Auto sizing (cache_bytes=None):
-- CPU: min(CPU_MAX_AUTO_BYTES, CPU_AUTO_SHARE of MemAvailable after the weights, room for
-  twice max_num_seqs sequences of max_model_len): a cache that leaves the rest of the machine
-  alone and is not larger than the engine can use (a tiny model's 4 GiB cache was half a
-  million blocks of bookkeeping).
-- CUDA: vLLM's rule, gpu_memory_utilization x total device memory, less what is already in
-  use, the weights and the activations of the largest step (estimated from
-  max_num_batched_tokens; profiling a forward is the next refinement, once on a GPU).
+- CPU, before the weights load: min(CPU_MAX_AUTO_BYTES, CPU_AUTO_SHARE of MemAvailable after
+  the weights, room for twice max_num_seqs sequences of max_model_len): a cache that leaves the
+  rest of the machine alone and is not larger than the engine can use (a tiny model's 4 GiB
+  cache was half a million blocks of bookkeeping).
+- CUDA, after the weights load (profiles_cache): vLLM's rule, gpu_memory_utilization x total
+  device memory, less what is in use then (weights, context, other processes) and the peak of
+  one profiled largest step (ModelRunner.profile_peak_bytes).
 """
 from __future__ import annotations
 
@@ -26,68 +25,73 @@ log = logging.getLogger("engine")
 
 CPU_MAX_AUTO_BYTES = 4 << 30
 CPU_AUTO_SHARE = 0.5
-# Live activations of one step per batched token, in elements: the residual stream, q/k/v,
-# the MLP's gate/up output and its product (hidden * 4 + intermediate * 3, rounded up).
-_ACTIVATION_FACTOR = 2.0
 
 
 def weight_bytes(config: EngineConfig, arch: ModelArch) -> int:
     return arch.num_params * (torch.finfo(config.torch_dtype).bits // 8)
 
 
-def activation_bytes(config: EngineConfig, arch: ModelArch) -> int:
-    """The largest step's activations: max_num_batched_tokens rows of the widest tensors,
-    plus the logits of max_num_seqs sampled rows in float32."""
-    elem = torch.finfo(config.torch_dtype).bits // 8
-    tokens = config.scheduler.max_num_batched_tokens
-    per_token = (4 * arch.hidden_size + 3 * arch.intermediate_size) * elem
-    logits = config.scheduler.max_num_seqs * arch.vocab_size * 4 * 3  # logits, probs, work
-    return int(_ACTIVATION_FACTOR * tokens * per_token) + logits
+def cuda_cache_bytes(total: int, free: int, step_peak: int, utilization: float) -> int:
+    """After the weights load: utilization x total, less what is in use (total - free: the
+    weights, the CUDA context, other processes) and one step's measured peak."""
+    return int(utilization * total) - (total - free) - step_peak
 
 
-def cuda_cache_bytes(total: int, free: int, weights: int, activations: int,
-                     utilization: float) -> int:
-    """Before the weights load: utilization x total, less what others use (total - free),
-    the weights and the activations."""
-    return int(utilization * total) - (total - free) - weights - activations
+def profiles_cache(config: EngineConfig) -> bool:
+    """The cache is sized after the weights load, from a profiled step: CUDA, nothing given."""
+    return (torch.device(config.device).type == "cuda" and config.cache.num_blocks is None
+            and config.cache.cache_bytes is None)
 
 
-def auto_cache_bytes(config: EngineConfig, arch: ModelArch) -> int:
-    weights = weight_bytes(config, arch)
+def profiled_cache_blocks(config: EngineConfig, arch: ModelArch, step_peak: int) -> int:
     device = torch.device(config.device)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = cuda_cache_bytes(total, free, weights, activation_bytes(config, arch),
-                                  config.cache.gpu_memory_utilization)
-        where = (f"{config.cache.gpu_memory_utilization:g} x {total / 2**30:.1f} GiB of "
-                 f"{device}")
-    else:
-        available = available_memory_bytes()
-        if available is None:
-            return CPU_MAX_AUTO_BYTES // 4
-        useful = (2 * config.scheduler.max_num_seqs * arch.kv_bytes_per_token(config.torch_dtype)
-                  * (config.scheduler.max_model_len or arch.max_position_embeddings))
-        budget = min(CPU_MAX_AUTO_BYTES, useful, int(CPU_AUTO_SHARE * (available - weights)))
-        where = f"{available / 2**30:.1f} GiB of available memory"
+    free, total = torch.cuda.mem_get_info(device)
+    utilization = config.cache.gpu_memory_utilization
+    budget = cuda_cache_bytes(total, free, step_peak, utilization)
+    log.info("KV cache: %.2f GiB = %g x %.1f GiB - %.2f GiB in use - %.2f GiB step peak",
+             max(budget, 0) / 2**30, utilization, total / 2**30, (total - free) / 2**30,
+             step_peak / 2**30)
     if budget <= 0:
-        raise ValueError(f"no memory is left for the KV cache in {where} after "
-                         f"{weights / 2**30:.2f} GiB of weights; set kv-cache-memory / "
-                         f"num_blocks, or free memory")
-    return budget
+        raise ValueError(f"no memory is left for the KV cache in {utilization:g} x "
+                         f"{total / 2**30:.1f} GiB of {device}: {(total - free) / 2**30:.1f} GiB "
+                         f"in use after the weights, a step peaks at {step_peak / 2**30:.2f} "
+                         f"GiB; raise gpu_memory_utilization or lower max_num_batched_tokens")
+    return blocks_in(budget, config, arch)
 
 
-def num_cache_blocks(config: EngineConfig, arch: ModelArch) -> int:
-    if config.cache.num_blocks is not None:
-        return config.cache.num_blocks
+def blocks_in(budget: int, config: EngineConfig, arch: ModelArch) -> int:
     per_block = arch.kv_bytes_per_token(config.torch_dtype) * config.cache.block_size
-    budget = config.cache.cache_bytes
-    if budget is None:
-        budget = auto_cache_bytes(config, arch)
     blocks = budget // per_block
     if blocks < 1:
         raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of "
                          f"{per_block} bytes; raise cache_bytes")
     return blocks
+
+
+def cpu_cache_bytes(config: EngineConfig, arch: ModelArch) -> int:
+    weights = weight_bytes(config, arch)
+    available = available_memory_bytes()
+    if available is None:
+        return CPU_MAX_AUTO_BYTES // 4
+    useful = (2 * config.scheduler.max_num_seqs * arch.kv_bytes_per_token(config.torch_dtype)
+              * (config.scheduler.max_model_len or arch.max_position_embeddings))
+    budget = min(CPU_MAX_AUTO_BYTES, useful, int(CPU_AUTO_SHARE * (available - weights)))
+    if budget <= 0:
+        raise ValueError(f"no memory is left for the KV cache in {available / 2**30:.1f} GiB of "
+                         f"available memory after {weights / 2**30:.2f} GiB of weights; set "
+                         f"kv-cache-memory / num_blocks, or free memory")
+    return budget
+
+
+def num_cache_blocks(config: EngineConfig, arch: ModelArch) -> int:
+    """Before the weights load: the given size, the byte budget, or the CPU's auto size
+    (CUDA's auto size is profiled_cache_blocks, after loading)."""
+    if config.cache.num_blocks is not None:
+        return config.cache.num_blocks
+    budget = config.cache.cache_bytes
+    if budget is None:
+        budget = cpu_cache_bytes(config, arch)
+    return blocks_in(budget, config, arch)
 
 
 def check_cache_fits_memory(num_blocks: int, config: EngineConfig, arch: ModelArch) -> None:

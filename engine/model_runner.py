@@ -27,20 +27,75 @@ class ModelInput:
 
 
 class ModelRunner:
+    """Built in two stages, so that the cache can be sized from what is left once the weights
+    are loaded (CUDA): __init__ loads the model; allocate() makes the KV cache and sampler."""
+
     def __init__(self, config: EngineConfig, arch: ModelArch, folder: Path | None,
-                 max_model_len: int, num_blocks: int) -> None:
-        """num_blocks: the KV cache's size, from engine/memory.py (computed before loading)."""
+                 max_positions: int) -> None:
+        """max_positions: the longest max_model_len this engine may resolve (RoPE table)."""
         self.config = config
         self.arch = arch
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_buffers_on_heap()
         self.block_size = config.cache.block_size
-        self.model = build_model(arch, folder, config.torch_dtype, self.device, max_model_len,
+        self.model = build_model(arch, folder, config.torch_dtype, self.device, max_positions,
                                  dummy=config.load_format == "dummy", seed=config.seed)
         if self.device.type == "cpu":
             self.model.prepack_weights(batch_hint=config.scheduler.max_num_seqs)
-        self.backend = make_attention_backend(config.use_triton("attention"))
+        self.backend = make_attention_backend(config.use_triton("attention"), self.device)
+        self.num_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self, max_model_len: int) -> int:
+        """Device memory one largest step takes beyond the weights (CUDA): a forward over
+        max_num_batched_tokens prompt tokens (sequences of up to max_model_len) against a
+        one-block cache, then the logits of max_num_seqs rows. vLLM sizes its cache the same
+        way. Every slot is -1 (nothing written) and every block table row reads block 0."""
+        sched = self.config.scheduler
+        tokens = max(1, sched.max_num_batched_tokens)
+        lengths = [min(max_model_len, tokens - start) for start in range(0, tokens, max_model_len)]
+        shape = (1, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device))
+                  for _ in range(self.arch.num_layers)]
+        width = -(-max(lengths) // self.block_size)
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
+            num_decode_tokens=0,
+            decode_block_tables=torch.zeros(0, 0, dtype=torch.int32, device=self.device),
+            decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=self.device),
+            decode_max_seq_len=0,
+            prefill_block_tables=torch.zeros(len(lengths), width, dtype=torch.int32,
+                                             device=self.device),
+            prefill_seq_lens=self._tensor(lengths, torch.int32),
+            prefill_cu_seqlens_q=self._tensor(cu, torch.int32),
+            prefill_max_q_len=max(lengths))
+        positions = self._tensor([p for n in lengths for p in range(n)], torch.int64)
+        input_ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        hidden = self.model(input_ids, positions, ForwardContext(meta, caches, self.backend))
+        rows = hidden[:1].expand(min(sched.max_num_seqs, tokens), -1)
+        logits = self.model.compute_logits(rows)  # [S, V]
+        torch.softmax(logits.float(), dim=-1)  # the sampler's working copy
+        del hidden, logits, caches
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        torch.cuda.empty_cache()
+        return peak
+
+    def allocate(self, num_blocks: int, max_model_len: int) -> None:
+        """The KV cache (num_blocks, from engine/memory.py) and the sampler."""
+        config, arch = self.config, self.arch
         self.num_blocks = num_blocks
         if self.device.type == "cpu":
             check_cache_fits_memory(self.num_blocks, config, arch)
@@ -54,6 +109,7 @@ class ModelRunner:
                                allocate(shape, dtype=config.torch_dtype, device=self.device))
                               for _ in range(arch.num_layers)]
         except torch.OutOfMemoryError:
+            self.kv_caches = []
             need = self.num_blocks * self.block_size * arch.kv_bytes_per_token(config.torch_dtype)
             raise ValueError(f"the KV cache ({need / 2**30:.2f} GiB, {self.num_blocks} blocks) "
                              f"does not fit in {self.device} memory next to the weights; lower "

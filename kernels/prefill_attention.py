@@ -1,9 +1,18 @@
 """paged_prefill_attention: causal attention for new query tokens over the paged cache.
 
-Grid: (sequence, query head, tile of BLOCK_M query rows). Sequence s's queries are its last
-q_len positions of seq_lens[s], so a cached prefix or earlier chunks are read from the cache
-(the new tokens' K/V were written there first). Keys are read TILE_N tokens (several pages)
-per iteration; tiles past the query tile's last position are never visited.
+Grid: (sequence, KV head, tile of query positions). One program packs BLOCK_M rows: BLOCK_Q
+query positions x the BLOCK_G query heads that share the KV head (GQA), so each K/V tile is
+loaded once per group, not once per head (32 query / 8 KV heads: 4x fewer K/V reads).
+Row r is position r // BLOCK_G, head r % BLOCK_G.
+
+Sequence s's queries are its last q_len positions of seq_lens[s], so a cached prefix or
+earlier chunks are read from the cache (the new tokens' K/V were written there first). Keys
+are read TILE_N tokens (several pages) per iteration in two loops: the tiles every query of
+the program sees in full (no mask at all), then the diagonal tiles (causal mask). Tiles past
+the program's last query are never visited.
+
+On CUDA the tile shape, warps and stages are autotuned per (group, head_dim, page size,
+dtype); the interpreter (and a caller passing `tile=`) runs one fixed shape.
 """
 from __future__ import annotations
 
@@ -11,10 +20,30 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_cache_layout, compute_in_fp32, dot_precision
+from ._common import check_cache_layout, compute_in_fp32, dot_precision, interpreting
 from .decode_attention import tile_tokens
 
-BLOCK_M = 16
+DEFAULT_BLOCK_M = 64  # rows per program where nothing is tuned (the interpreter)
+MAX_GROUP = 64  # query heads per KV head that fit a program's rows
+# (BLOCK_M rows, TILE_N keys, num_warps, num_stages): what FlashAttention-2 and vLLM's
+# prefill kernels choose between on Hopper-class GPUs; compile_check builds every one.
+TUNING_SPACE = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 3),
+                (128, 32, 4, 3), (64, 128, 4, 2), (128, 128, 8, 2)]
+# fp32 (IEEE dots, unrolled into FMAs) gets one small tile: ptxas took 128 s for a 128-row
+# fp32 variant and 122 s for 64 x 128 (sm_90, this machine), and fp32 on a GPU is a
+# correctness mode, not a fast one.
+FP32_TILE = (64, 32, 4, 2)
+
+
+def tuning_space(fp32: bool) -> list[tuple[int, int, int, int]]:
+    return [FP32_TILE] if fp32 else TUNING_SPACE
+
+
+def _prune(configs, named_args, **kwargs):
+    """The autotuner's configs for this call's dtype (tuning_space)."""
+    wanted = tuning_space(bool(kwargs.get("FP32", named_args.get("FP32"))))
+    return [c for c in configs
+            if (c.kwargs["BLOCK_M"], c.kwargs["TILE_N"], c.num_warps, c.num_stages) in wanted]
 
 
 @triton.jit
@@ -22,44 +51,68 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
                     seq_lens_ptr, out_ptr, scale,
                     stride_qt, stride_qh, stride_bts, stride_cb, stride_ct, stride_ch,
                     stride_ot, stride_oh,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                    FP32: tl.constexpr, PRECISION: tl.constexpr):
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr):
+    BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_G
     seq = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     tile = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if tile * BLOCK_M < q_len:
+    if tile * BLOCK_Q < q_len:
         seq_len = tl.load(seq_lens_ptr + seq)
         context_start = seq_len - q_len  # tokens before the first new query
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        r = tl.arange(0, BLOCK_M)
+        qi = tile * BLOCK_Q + r // BLOCK_G  # [BLOCK_M] query index within the sequence
+        g = r % BLOCK_G
         d = tl.arange(0, BLOCK_D)
-        row_mask = rows < q_len
+        row_mask = (qi < q_len) & (g < GROUP)
         d_mask = d < HEAD_DIM
-        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+        q_rows = (q_start + qi) * stride_qt + (kv_head * GROUP + g) * stride_qh  # [BLOCK_M]
+        q = tl.load(q_ptr + q_rows[:, None] + d[None, :],
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         if FP32:
             q = q.to(tl.float32)
-        q_pos = context_start + rows  # [BLOCK_M]
-        kv_head = head // GROUP
-        last_pos = tl.minimum(context_start + (tile + 1) * BLOCK_M, seq_len)
+        q_pos = context_start + qi  # [BLOCK_M]
+        first_pos = context_start + tile * BLOCK_Q
+        end_pos = tl.minimum(first_pos + BLOCK_Q, seq_len)  # one past the last query
+        full_tiles = (first_pos + 1) // TILE_N  # tiles whose keys every query sees
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for key_tile in range(0, tl.cdiv(last_pos, TILE_N)):
-            k_pos = key_tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N], spanning several pages
+        for key_tile in range(0, full_tiles):
+            k_pos = key_tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N], all < seq_len
+            block = tl.load(block_tables_ptr + seq * stride_bts + k_pos // BLOCK_SIZE)
+            row = (block.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_ct
+                   + kv_head * stride_ch)
+            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
+            if FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE_N]
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        # the diagonal: key 0 is in the first tile any row visits, so no row's max stays -inf
+        for key_tile in range(full_tiles, tl.cdiv(end_pos, TILE_N)):
+            k_pos = key_tile * TILE_N + tl.arange(0, TILE_N)
             in_range = k_pos < seq_len  # slots past seq_len may hold anything (even NaN)
             block = tl.load(block_tables_ptr + seq * stride_bts + k_pos // BLOCK_SIZE,
-                            mask=in_range, other=0).to(tl.int64)
-            row = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+                            mask=in_range, other=0)
+            row = (block.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_ct
+                   + kv_head * stride_ch)
             kv_mask = in_range[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             if FP32:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE_N]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -69,22 +122,35 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+        o_rows = (q_start + qi) * stride_ot + (kv_head * GROUP + g) * stride_oh
+        tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & d_mask[None, :])
+
+
+_tuned_prefill_kernel = triton.autotune(
+    configs=[triton.Config({"BLOCK_M": m, "TILE_N": n}, num_warps=w, num_stages=s)
+             for m, n, w, s in TUNING_SPACE + [FP32_TILE]],
+    key=["GROUP", "HEAD_DIM", "BLOCK_SIZE", "FP32"],
+    prune_configs_by={"early_config_prune": _prune})(_prefill_kernel)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float,
                             max_q_len: int | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [total_query_tokens, num_heads, head_dim] -> out of the same shape."""
+                            out: torch.Tensor | None = None,
+                            tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """q [total_query_tokens, num_heads, head_dim] -> out of the same shape.
+    tile=(BLOCK_M rows, TILE_N keys) fixes the shape instead of autotuning it."""
     check_cache_layout(k_cache, v_cache)
     total, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"q heads {num_heads} x {head_dim} do not fit cache KV heads "
                          f"{num_kv_heads} x {cache_head_dim}")
+    group = num_heads // num_kv_heads
+    if group > MAX_GROUP:
+        raise ValueError(f"{group} query heads per KV head: at most {MAX_GROUP} supported")
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
     if total == 0 or num_seqs == 0:
@@ -92,13 +158,24 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q = q if q.stride(2) == 1 else q.contiguous()
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    grid = (num_seqs, num_heads, triton.cdiv(max_q_len, BLOCK_M))
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, scale,
-        q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        TILE_N=tile_tokens(block_size, q.dtype), FP32=compute_in_fp32(q.dtype),
-        PRECISION=dot_precision(q.dtype))
+    block_g = triton.next_power_of_2(group)
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, scale,
+            q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1))
+    shape = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g,
+                 BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+                 FP32=compute_in_fp32(q.dtype), PRECISION=dot_precision(q.dtype))
+    if tile is None and interpreting():
+        tile = (max(DEFAULT_BLOCK_M, block_g), tile_tokens(block_size, q.dtype))
+    if tile is not None:
+        block_m, tile_n = tile
+        if block_m < block_g:
+            raise ValueError(f"tile rows {block_m} hold no query position of {block_g} heads")
+        grid = (num_seqs, num_kv_heads, triton.cdiv(max_q_len, block_m // block_g))
+        _prefill_kernel[grid](*args, **shape, BLOCK_M=block_m, TILE_N=tile_n)
+    else:
+        def grid(meta):
+            return (num_seqs, num_kv_heads,
+                    triton.cdiv(max_q_len, max(1, meta["BLOCK_M"] // block_g)))
+        _tuned_prefill_kernel[grid](*args, **shape)
     return out

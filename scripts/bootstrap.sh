@@ -15,3 +15,6 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
+# The CPU C++ op, built once into ~/.cache/tritonserve (seconds when already built; never
+# fails the install: without a compiler the plain-torch path serves).
+.venv/bin/python -m kernels.cpu_ops

@@ -63,6 +63,7 @@ DECODE_CASES = [
     (4, [48, 9], 16, 64, torch.float16, 2),
     (4, [48, 9], 16, 128, torch.bfloat16, 1),
     (2, [40, 7], 16, 96, torch.float32, 1),
+    (4, [1100, 40], 16, 64, torch.float32, 16),  # many splits, some of them empty
 ]
 
 
@@ -89,8 +90,14 @@ def test_split_heuristic_splits_small_long_batches_only():
     cpu = torch.device("cpu")
     assert kernels.choose_num_splits(1, 8, 4096, cpu) > 1  # few programs, long context
     assert kernels.choose_num_splits(64, 8, 4096, cpu) == 1  # grid already full
-    assert kernels.choose_num_splits(1, 8, 300, cpu) == 1  # too short to be worth a split
-    assert kernels.choose_num_splits(1, 1, 1 << 20, cpu) == 8  # capped
+    assert kernels.choose_num_splits(1, 8, 200, cpu) == 1  # too short to be worth a split
+    assert kernels.choose_num_splits(1, 1, 1 << 20, cpu) == kernels.MAX_SPLITS  # capped
+    # batch 1, 8 KV heads, 4096 tokens: at least one program per SM, >= 128 tokens a split
+    splits = kernels.choose_num_splits(1, 8, 4096, cpu)
+    assert 8 * splits >= kernels.num_sms(0) and 4096 // splits >= kernels.MIN_TOKENS_PER_SPLIT
+    assert splits & (splits - 1) == 0
+    # length bounds the splits: 1024 tokens give at most 8
+    assert kernels.choose_num_splits(1, 8, 1024, cpu) == 8
 
 
 PREFILL_CASES = [
@@ -100,6 +107,7 @@ PREFILL_CASES = [
     (8, [(33, 33), (12, 44)], 32, 128, torch.float32),
     (4, [(9, 25), (18, 18)], 16, 64, torch.float16),
     (4, [(9, 25), (18, 18)], 16, 64, torch.bfloat16),
+    (3, [(70, 70), (5, 90)], 16, 96, torch.float32),  # padded group and head_dim, full tiles
 ]
 
 
@@ -121,6 +129,26 @@ def test_paged_prefill_attention(group, shapes, block_size, head_dim, dtype, dev
     actual = kernels.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.125,
                                              out=torch.full_like(q, POISON))
     close(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("tile", [(64, 32), (128, 64), (64, 128)])
+def test_prefill_tile_shapes_agree(tile, device):
+    """Each tuned shape (rows, keys) computes the same thing: a long prompt after a cached
+    prefix crosses full key tiles, diagonal tiles and several query tiles."""
+    kv_heads, group, head_dim, block_size = 1, 4, 64, 16
+    seq_lens, q_lens = [150, 40], [90, 40]
+    pool = sum(-(-n // block_size) for n in seq_lens) + 3
+    k_cache, v_cache = make_cache(pool, block_size, kv_heads, head_dim, torch.float32,
+                                  device, 5)
+    tables = scattered_tables(seq_lens, block_size, pool, 5).to(device)
+    poison_tails(k_cache, v_cache, tables, seq_lens, block_size)
+    cu = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(sum(q_lens), kv_heads * group, head_dim).to(device)
+    expected = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.125)
+    actual = kernels.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.125,
+                                             out=torch.full_like(q, POISON), tile=tile)
+    close(actual, expected, torch.float32)
 
 
 def test_prefill_matches_dense_causal_attention(device):
@@ -162,3 +190,15 @@ def test_store_kv_cache_exact_and_skips_padding(dtype, device):
     written = {int(s) for s in slots if s >= 0}
     untouched = [i for i in range(num_blocks * bs) if i not in written]
     assert bool((flat[untouched] == 7.0).all()), "a slot that was not asked for changed"
+
+
+def test_prefill_autotuner_keeps_each_dtypes_space():
+    from kernels import prefill_attention as pa
+    configs = pa._tuned_prefill_kernel.configs
+    for fp32 in (True, False):
+        kept = pa._prune(configs, {}, FP32=fp32)
+        shapes = {(c.kwargs["BLOCK_M"], c.kwargs["TILE_N"], c.num_warps, c.num_stages)
+                  for c in kept}
+        assert shapes == set(pa.tuning_space(fp32)) and len(kept) == len(shapes)
+    # every tuned shape holds a whole query position of the largest supported group
+    assert min(c.kwargs["BLOCK_M"] for c in configs) >= pa.MAX_GROUP

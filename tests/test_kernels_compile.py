@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from kernels import prefill_attention
+
 
 @pytest.mark.slow
 def test_all_kernels_compile_for_hopper():
@@ -16,6 +18,11 @@ def test_all_kernels_compile_for_hopper():
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ok  sm_90")]
-    assert len(lines) == 29, proc.stdout
+    total = int(proc.stdout.strip().splitlines()[-1].split()[0])  # "N variants compiled"
+    assert len(lines) == total > 30, proc.stdout
     for kernel in ("decode", "prefill", "merge splits", "store_kv_cache", "sample"):
         assert any(kernel in line for line in lines), kernel
+    # every prefill autotuning config, in every dtype
+    for dtype, configs in (("bf16", len(prefill_attention.tuning_space(False))), ("fp16", 1),
+                           ("fp32", len(prefill_attention.tuning_space(True)))):
+        assert sum(f"prefill {dtype} g4 d128 bs16" in line for line in lines) == configs

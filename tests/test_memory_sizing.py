@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, InvalidRequestError, LLMEngine, SamplingParams
+from engine.config import CacheConfig, EngineConfig
 from engine.llm import build_config
 from engine.models import ModelArch
 from tests.tiny_models import write_tiny_model
@@ -92,7 +93,6 @@ def test_sliding_window_model_is_refused_past_its_window(tmp_path):
 
 def test_cpu_cache_is_sized_from_available_memory(tiny_model, monkeypatch):
     import engine.memory as memory
-    from engine.config import EngineConfig
     arch = LLM(tiny_model, num_blocks=1).engine.arch
     weights = memory.weight_bytes(EngineConfig(dtype="float32"), arch)
     per_token = arch.kv_bytes_per_token(torch.float32)
@@ -117,8 +117,27 @@ def test_cpu_cache_is_sized_from_available_memory(tiny_model, monkeypatch):
 def test_cuda_budget_follows_vllms_rule():
     from engine.memory import cuda_cache_bytes
     gib = 1 << 30
-    # an H200: 141 GiB, 1 GiB used by others, 16 GiB of bf16 8B weights, 2 GiB activations
-    assert cuda_cache_bytes(141 * gib, 140 * gib, 16 * gib, 2 * gib, 0.9) == \
+    # an H200 after loading: 141 GiB, 17 GiB in use (16 GiB of bf16 8B weights, 1 GiB of
+    # context and others), a profiled step peaking at 2 GiB
+    assert cuda_cache_bytes(141 * gib, 124 * gib, 2 * gib, 0.9) == \
         int(0.9 * 141 * gib) - 19 * gib
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         LLM(None, gpu_memory_utilization=1.5)
+
+
+def test_profiled_step_runs_the_largest_batch_and_leaves_the_engine_intact(tiny_model):
+    """The profile pass (CUDA sizes its cache from its peak) runs the largest step's shape:
+    max_num_batched_tokens prompt tokens cut into max_model_len sequences, then the logits of
+    max_num_seqs rows; it writes nothing into the engine's cache. On the CPU it measures 0."""
+    from engine.memory import profiles_cache
+
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    llm = LLM(tiny_model, max_model_len=40, max_num_batched_tokens=100, num_blocks=32)
+    before = llm.generate([[5, 6, 7, 8]], params)[0].token_ids
+    cache_before = [k.clone() for k, _ in llm.engine.runner.kv_caches]
+    assert llm.engine.runner.profile_peak_bytes(40) == 0
+    assert all(torch.equal(k, c) for (k, _), c in zip(llm.engine.runner.kv_caches, cache_before))
+    assert llm.generate([[5, 6, 7, 8]], params)[0].token_ids == before
+    assert not profiles_cache(EngineConfig())
+    assert not profiles_cache(EngineConfig(device="cuda", cache=CacheConfig(num_blocks=8)))
+    assert profiles_cache(EngineConfig(device="cuda"))

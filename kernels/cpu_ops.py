@@ -1,0 +1,90 @@
+"""CPU kernels in C++ (kernels/cpu/*.cpp), built once with torch's extension builder and
+cached under ~/.cache/tritonserve/cpu_ops (TRITONSERVE_CACHE moves it). scripts/bootstrap.sh
+builds them at install time, so a server start only loads the cached library.
+
+`paged_decode_attention()` returns the op, or None when it cannot be had (no C++ compiler,
+no ninja, a failed build, TRITONSERVE_CPU_OPS=0): callers then keep the plain-torch path.
+The reason is logged once.
+
+Why C++: the torch decode path gathers every sequence's K/V into new tensors (index_select),
+then masks and runs SDPA, layer by layer; this op reads the cache in place through the block
+table. Measured figures are in docs/benchmarks.md ("CPU paged decode attention").
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kernels")
+
+SOURCES = [Path(__file__).parent / "cpu" / "paged_decode.cpp"]
+# -O3 with -march=native lets the compiler vectorise the head_dim loops for this CPU (AVX2 /
+# AVX-512); the cache directory is per machine, so the native build is never shared.
+# -fopenmp: at::parallel_for is inline OpenMP, serial without it (2x slower on 2 cores); the
+# library then binds to the libgomp.so.1 torch has already loaded.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TRITONSERVE_CACHE") or Path.home() / ".cache" / "tritonserve"
+    return Path(root) / "cpu_ops"
+
+
+@functools.cache
+def load() -> bool:
+    """Build (first time) and load the library; True when torch.ops.tritonserve has it."""
+    if os.environ.get("TRITONSERVE_CPU_OPS", "1") == "0":
+        log.info("CPU C++ ops disabled (TRITONSERVE_CPU_OPS=0): plain-torch attention")
+        return False
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        log.warning("no C++ compiler: CPU decode attention stays on the plain-torch path")
+        return False
+    venv_bin = Path(sys.executable).parent  # pip's ninja, when the venv is not activated
+    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+    try:
+        from torch.utils import cpp_extension
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name="tritonserve_cpu_ops", sources=[str(s) for s in SOURCES],
+                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                           build_directory=str(folder),
+                           is_python_module=False, verbose=False)
+    except Exception as exc:  # a missing ninja, a compiler error: fall back, say why once
+        log.warning("CPU C++ ops unavailable (%s): plain-torch attention",
+                    str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        return False
+    _register_fake()
+    return True
+
+
+def _register_fake() -> None:
+    """Shape-only implementation, so torch.compile traces through the op."""
+    @torch.library.register_fake("tritonserve::paged_decode_attention")
+    def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def paged_decode_attention():
+    """torch.ops.tritonserve.paged_decode_attention(q, k_cache, v_cache, block_tables,
+    seq_lens, scale) -> out, same contract as kernels.reference.paged_decode_attention; or
+    None when the op is unavailable."""
+    return torch.ops.tritonserve.paged_decode_attention if load() else None
+
+
+def main() -> int:
+    """python -m kernels.cpu_ops: build now (scripts/bootstrap.sh calls this)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ok = load()
+    print(f"CPU ops {'built in ' + str(cache_dir()) if ok else 'unavailable (see above)'}")
+    return 0  # unavailable is not an install failure: the torch path serves
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

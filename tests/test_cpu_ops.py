@@ -1,0 +1,75 @@
+"""The C++ CPU paged decode attention (kernels/cpu_ops.py) against the torch reference, and
+the fallback when it cannot be built."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata, TorchAttention
+from kernels import cpu_ops, reference
+from tests.test_kernels_attention import (POISON, close, make_cache, poison_tails,
+                                          scattered_tables)
+
+op = cpu_ops.paged_decode_attention()
+needs_op = pytest.mark.skipif(op is None, reason="no C++ toolchain: the torch path serves")
+
+CASES = [
+    # (group, seq_lens, block_size, head_dim, dtype)
+    (1, [1, 16, 37], 16, 64, torch.float32),
+    (3, [5, 200, 64, 70], 16, 64, torch.float32),  # SmolLM2's 9 / 3 heads
+    (4, [300, 1, 33], 32, 128, torch.float32),
+    (2, [40, 7], 16, 96, torch.float32),  # a head size with no specialised build
+    (3, [48, 9, 130], 16, 64, torch.bfloat16),
+    (4, [48, 9], 16, 128, torch.float16),
+]
+
+
+@needs_op
+@pytest.mark.parametrize("group,seq_lens,block_size,head_dim,dtype", CASES)
+def test_cpu_decode_matches_reference(group, seq_lens, block_size, head_dim, dtype):
+    kv_heads = 2
+    pool = sum(-(-n // block_size) for n in seq_lens) + 5
+    k_cache, v_cache = make_cache(pool, block_size, kv_heads, head_dim, dtype, "cpu", 3)
+    tables = scattered_tables(seq_lens, block_size, pool, 3)
+    poison_tails(k_cache, v_cache, tables, seq_lens, block_size)  # NaN past every end
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim).to(dtype)
+    expected = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1)
+    actual = op(q, k_cache, v_cache, tables, lens, 0.1)
+    assert actual.shape == q.shape and actual.dtype == dtype
+    close(actual, expected, dtype)
+
+
+@needs_op
+def test_cpu_decode_reads_a_strided_query():
+    """q as the engine passes it: a view into the fused qkv output (head stride != head_dim
+    * heads), which the op must read through its strides."""
+    k_cache, v_cache = make_cache(8, 16, 2, 64, torch.float32, "cpu", 4)
+    tables = torch.tensor([[3, 5], [1, 0]], dtype=torch.int32)
+    lens = torch.tensor([20, 9], dtype=torch.int32)
+    qkv = torch.randn(2, 8 * 64 + 2 * 2 * 64)
+    q = qkv[:, :8 * 64].view(2, 8, 64)
+    assert not q.is_contiguous()
+    close(op(q, k_cache, v_cache, tables, lens, 0.125),
+          reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125),
+          torch.float32)
+
+
+def test_backend_falls_back_to_torch_without_the_op(monkeypatch):
+    """TRITONSERVE_CPU_OPS=0 (or no toolchain): the backend serves decode with plain torch,
+    and both paths give the same attention."""
+    monkeypatch.setenv("TRITONSERVE_CPU_OPS", "0")
+    assert cpu_ops.load.__wrapped__() is False
+    k_cache, v_cache = make_cache(12, 16, 2, 64, torch.float32, "cpu", 5)
+    tables = scattered_tables([30, 70], 16, 12, 5)
+    lens = torch.tensor([30, 70], dtype=torch.int32)
+    q = torch.randn(2, 4, 64)
+    meta = AttentionMetadata(torch.zeros(2, dtype=torch.int64), 2, tables, lens, 70,
+                             tables[:0], lens[:0], torch.zeros(1, dtype=torch.int32), 0)
+    fallback = TorchAttention(torch.device("cpu"))
+    fallback.cpu_decode = None
+    expected = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+    close(fallback.decode(q, k_cache, v_cache, meta, 0.125), expected, torch.float32)
+    if op is not None:
+        assert TorchAttention(torch.device("cpu")).cpu_decode is not None
+        assert TorchAttention(torch.device("meta")).cpu_decode is None  # not a CPU tensor
