@@ -18,6 +18,9 @@ from ..dtype import cpu_has_native_bf16
 from .arch import ModelArch, rope_inv_freq
 
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim] for a step's positions
+
+
 @dataclass
 class ForwardContext:
     meta: AttentionMetadata
@@ -82,10 +85,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' LlamaRMSNorm (fp32 statistics, weight applied in the input dtype),
+        with torch's fused rms_norm: 3 dispatched ops instead of 7, 61 times a SmolLM2 step."""
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -99,10 +103,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim], positions [T]"""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """Once a step, not once a layer: positions [T] -> cos, sin [T, 1, head_dim]."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def apply(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated by its positions' tables"""
+        cos, sin = tables
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -125,8 +134,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rope: RotaryEmbedding,
-                ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, rope: RopeTables, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -134,7 +142,7 @@ class Attention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q), rope(positions, k)
+        q, k = RotaryEmbedding.apply(q, rope), RotaryEmbedding.apply(k, rope)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         out = ctx.backend.forward(q, k, v.contiguous(), k_cache, v_cache, ctx.meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -160,8 +168,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, positions, x, rope, ctx) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rope, ctx)
+    def forward(self, rope: RopeTables, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -192,8 +200,9 @@ class DecoderForCausalLM(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]"""
         x = self.embed_tokens(input_ids)
+        rope = self.rope.lookup(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x, self.rope, ctx)
+            x = layer(rope, x, ctx)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
