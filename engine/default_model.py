@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from kernels.cache import cache_root
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_MARKER = "converted.ok"
-
-
-def cache_root() -> Path:
-    root = os.environ.get("TRITONSERVE_CACHE") or Path.home() / ".cache" / "tritonserve"
-    return Path(root)
+# v2: config.json records bfloat16 (see convert_gguf); an older cache is converted again
+_MARKER = "converted-v2.ok"
+# The upstream checkpoint's dtype (HuggingFaceTB/SmolLM2-135M-Instruct is bf16). The GGUF is
+# Q4_1-quantized, so it carries no dtype of its own; the weights are saved dequantized in
+# fp32 and --dtype auto picks bf16 where the CPU has it, fp32 elsewhere (engine/dtype.py).
+UPSTREAM_DTYPE = "bfloat16"
 
 
 def gguf_path() -> Path:
@@ -59,6 +60,8 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
         tokenizer.save_pretrained(work)
         config = json.loads((work / "config.json").read_text())
         config.pop("quantization_config", None)
+        config.pop("torch_dtype", None)
+        config["dtype"] = UPSTREAM_DTYPE
         config["architectures"] = [type(model).__name__]
         (work / "config.json").write_text(json.dumps(config, indent=2))
         (work / _MARKER).write_text(gguf_file.name + "\n")

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .cache import cache_root
+
 log = logging.getLogger("kernels")
 
 SOURCES = [Path(__file__).parent / "cpu" / "paged_decode.cpp"]
@@ -32,8 +34,7 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fope
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("TRITONSERVE_CACHE") or Path.home() / ".cache" / "tritonserve"
-    return Path(root) / "cpu_ops"
+    return cache_root() / "cpu_ops"
 
 
 @functools.cache

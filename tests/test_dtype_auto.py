@@ -42,3 +42,12 @@ def test_engine_default_is_auto_and_resolved(tiny_model):
     assert engine.config.dtype == "float32"  # the tiny checkpoint is float32
     with pytest.raises(ValueError, match="dtype must be one of"):
         LLM(tiny_model, dtype="int8")
+
+
+@pytest.mark.smollm2
+def test_embedded_model_defaults_to_bf16_where_the_cpu_has_it(smollm2_path):
+    """The embedded SmolLM2 records its upstream dtype (bf16), so `python -m server` with no
+    dtype flag runs bf16 on a CPU with native bf16 and fp32 elsewhere."""
+    assert ModelArch.from_folder(smollm2_path).torch_dtype == "bfloat16"
+    assert dtype.resolve_dtype("auto", "bfloat16", "cpu") == (
+        "bfloat16" if dtype.cpu_has_native_bf16() else "float32")

@@ -12,12 +12,24 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
+
+// A cache row as fp32: in place for an fp32 cache, else converted into `buffer`.
+template <typename T>
+inline const float* as_float(const T* row, float* buffer, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    for (int64_t d = 0; d < n; ++d) buffer[d] = to_float(row[d]);
+    return buffer;
+  }
+}
 
 // HD > 0: the head size known at compile time (64, 128: fully unrolled, vectorised loops);
 // HD == 0: any head size, from head_dim_arg.
@@ -41,13 +53,12 @@ void decode_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
     const scalar_t* kp = k_cache + page * block_size * row + kv_head * head_dim;
     const scalar_t* vp = v_cache + page * block_size * row + kv_head * head_dim;
     for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* kt = kp + t * row;
-      for (int64_t d = 0; d < head_dim; ++d) kf[d] = to_float(kt[d]);
+      const float* k = as_float(kp + t * row, kf.data(), head_dim);
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = qf.data() + g * head_dim;
         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * kf[d];
+        for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * k[d];
         scores[g * block_size + t] = s;
       }
     }
@@ -57,6 +68,7 @@ void decode_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
       const float m_new = std::max(m[g], page_max);
       const float alpha = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first page
       float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < n; ++t) {
         sg[t] = std::exp(sg[t] - m_new);
         sum += sg[t];
@@ -67,13 +79,12 @@ void decode_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
       for (int64_t d = 0; d < head_dim; ++d) ag[d] *= alpha;
     }
     for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* vt = vp + t * row;
-      for (int64_t d = 0; d < head_dim; ++d) kf[d] = to_float(vt[d]);
+      const float* v = as_float(vp + t * row, kf.data(), head_dim);
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * block_size + t];
         float* ag = acc.data() + g * head_dim;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * kf[d];
+        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * v[d];
       }
     }
   }
