@@ -35,4 +35,5 @@ def test_bench_profile_reports_prefill_decode_and_ops(tiny_model):
     tokens = int(prefill.split()[1])
     assert 4 * 5 <= tokens <= 4 * 20
     assert any(line.startswith("decode:") and "ms per step at batch 4" in line for line in lines)
-    assert "Self CPU" in proc.stdout and "aten::" in proc.stdout
+    assert "Self CPU" in proc.stdout  # the per-op table, its rows named by op namespace
+    assert any(ns in proc.stdout for ns in ("aten::", "mkldnn::", "tritonserve::"))
