@@ -1,5 +1,5 @@
 """python -m bench {throughput,profile,kernels,serve,conformance,grammar,loading,
-    engine-check} ..."""
+    engine-check,compile-probe} ..."""
 from __future__ import annotations
 
 import importlib
@@ -14,6 +14,7 @@ COMMANDS = {
     "grammar": "bench.grammar",
     "loading": "bench.loading",
     "engine-check": "bench.engine_check",
+    "compile-probe": "bench.compile_probe",
 }
 
 

@@ -63,6 +63,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     inner product here and stays on F.linear. The oneDNN op has no backward, so a plain
     weight takes it only where autograd is off (the engine runs under inference_mode), and a
     prepacked weight (`prepack_weight`) refuses an input that needs a gradient."""
+    if torch.compiler.is_compiling():  # Inductor picks (and with freezing, prepacks) its GEMM
+        return F.linear(x, weight, bias)
     if weight.is_mkldnn:
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError("prepacked CPU weights are for inference only")
