@@ -54,7 +54,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr,
                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr):
-    BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_G
+    BLOCK_Q = BLOCK_M // BLOCK_G  # query positions per program (a constexpr)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)

@@ -126,9 +126,28 @@ def test_paged_prefill_attention(group, shapes, block_size, head_dim, dtype, dev
     q = torch.randn(int(cu[-1]), kv_heads * group, head_dim,
                     generator=torch.Generator().manual_seed(seed + 2)).to(dtype).to(device)
     expected = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.125)
+    # a fixed tile: on CUDA, autotuning every case would compile 7 configs per dtype and
+    # shape (minutes of gpu_check.sh); test_prefill_autotuned_launch covers the tuner
     actual = kernels.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.125,
-                                             out=torch.full_like(q, POISON))
+                                             out=torch.full_like(q, POISON), tile=(64, 32))
     close(actual, expected, dtype)
+
+
+def test_prefill_autotuned_launch(device):
+    """tile=None: the autotuner on CUDA (every config run once), the default tile when
+    interpreted; either way the reference's answer."""
+    kv_heads, group, head_dim, block_size, dtype = 2, 4, 128, 16, torch.bfloat16
+    seq_lens, q_lens = [70, 33], [70, 20]
+    pool = sum(-(-n // block_size) for n in seq_lens) + 2
+    k_cache, v_cache = make_cache(pool, block_size, kv_heads, head_dim, dtype, device, 8)
+    tables = scattered_tables(seq_lens, block_size, pool, 8).to(device)
+    poison_tails(k_cache, v_cache, tables, seq_lens, block_size)
+    cu = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(sum(q_lens), kv_heads * group, head_dim).to(dtype).to(device)
+    expected = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.1)
+    close(kernels.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.1,
+                                          out=torch.full_like(q, POISON)), expected, dtype)
 
 
 @pytest.mark.parametrize("tile", [(64, 32), (128, 64), (64, 128)])
