@@ -30,6 +30,18 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@triton.jit
+def online_softmax_update(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One tile of flash attention's recurrence: scores s [R, N] (masked keys at -inf) and
+    values v [N, D] folded into the running max m_i [R], sum l_i [R] and acc [R, D]."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
 def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         raise ValueError("k_cache and v_cache must both be [num_blocks, block_size, "
@@ -41,4 +53,4 @@ def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 next_power_of_2 = triton.next_power_of_2
 __all__ = ["tl", "triton", "interpreting", "compute_in_fp32", "dot_precision", "num_sms",
-           "check_cache_layout", "next_power_of_2"]
+           "check_cache_layout", "next_power_of_2", "online_softmax_update"]

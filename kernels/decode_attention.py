@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_cache_layout, compute_in_fp32, dot_precision, num_sms
+from ._common import (check_cache_layout, compute_in_fp32, dot_precision, num_sms,
+                      online_softmax_update)
 
 MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 64  # a power of two: the merge kernel reads the splits as one tl.arange
@@ -70,12 +71,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]

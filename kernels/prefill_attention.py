@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_cache_layout, compute_in_fp32, dot_precision, interpreting
+from ._common import (check_cache_layout, compute_in_fp32, dot_precision, interpreting,
+                      online_softmax_update)
 from .decode_attention import tile_tokens
 
 DEFAULT_BLOCK_M = 64  # rows per program where nothing is tuned (the interpreter)
@@ -92,12 +93,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE_N]
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
         # the diagonal: key 0 is in the first tile any row visits, so no row's max stays -inf
         for key_tile in range(full_tiles, tl.cdiv(end_pos, TILE_N)):
             k_pos = key_tile * TILE_N + tl.arange(0, TILE_N)
@@ -115,12 +111,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
             s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
         out = acc / l_i[:, None]
         o_rows = (q_start + qi) * stride_ot + (kv_head * GROUP + g) * stride_oh
         tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
