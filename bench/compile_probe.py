@@ -4,10 +4,9 @@ graph, `freezing` so Inductor prepacks the weights itself), at fixed batch sizes
 
 python -m bench compile-probe [--batches 1,16,64] [--context 300] [--steps 10]
 
-A probe for issue 12's compiled step, not the engine path: it compiles the forward with every
-sequence at `--context` tokens and a store that assumes no padding slots (the engine's
-store skips slot -1 with a data-dependent branch, which breaks a full graph). Prints ms a step
-for both, the compile time per batch size, and the largest logit difference.
+The model alone, every sequence at `--context` tokens (no padding rows, so no null block
+needed). Prints ms a step for both, the compile time per batch size, and the largest logit
+difference. The engine's own compiled path is `python -m bench profile --decode-mode compile`.
 """
 from __future__ import annotations
 
@@ -20,14 +19,6 @@ from engine.attention import AttentionMetadata, TorchAttention
 from engine.default_model import default_model_path
 from engine.models import ForwardContext, ModelArch
 from engine.models.loader import build_model
-
-
-class NoPaddingAttention(TorchAttention):
-    """Every slot is real: the store is one index_copy_, no host check."""
-
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
 def decode_batch(batch: int, context: int, block_size: int, vocab: int):
@@ -71,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = max(batches) * -(-args.context // args.block_size)
     shape = (blocks, args.block_size, arch.num_kv_heads, arch.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_layers)]
-    backend = NoPaddingAttention(torch.device("cpu"))
+    backend = TorchAttention(torch.device("cpu"))
     print(f"SmolLM2 fp32, decode-only batches, context {args.context}, "
           f"{torch.get_num_threads()} threads")
     print("| batch | eager ms/step | compiled ms/step | speed-up | compile s | max logit diff |")

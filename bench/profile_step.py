@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from engine.config import DECODE_MODES, EngineConfig
+
 from .throughput import add_workload_args, make_prompts, prompt_lengths
 
 PHASES = ("prepare", "forward", "logits", "sampler")  # record_function ranges, model_runner.py
@@ -28,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--greedy", action="store_true", help="temperature 0")
+    parser.add_argument("--decode-mode", default=EngineConfig.decode_mode,
+                        choices=DECODE_MODES)
+    parser.add_argument("--decode-buckets", default="",
+                        help="comma-separated sizes (default: the batch size alone)")
     args = parser.parse_args(argv)
 
     from torch.profiler import ProfilerActivity, profile
@@ -35,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     from engine import LLM
 
     from .throughput import sampling
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts)
+    buckets = tuple(int(b) for b in args.decode_buckets.split(",") if b) or (args.num_prompts,)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts,
+              decode_mode=args.decode_mode, decode_buckets=buckets)
     engine = llm.engine
     lengths = prompt_lengths(args.num_prompts, args.input_len, args.input_range, args.seed)
     # enough output tokens that nobody finishes during the measured steps
@@ -67,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     averages = prof.key_averages()
     phases = {e.key: e.cpu_time_total / 1e3 / args.profile_steps for e in averages
               if e.key in PHASES}
+    # every op the dispatcher ran (aten, the tritonserve ops, nested calls included); a
+    # compiled region counts its generated kernels instead
+    ops = sum(e.count for e in averages if "::" in e.key) / args.profile_steps
+    print(f"dispatched ops per step: {ops:.0f} (decode mode "
+          f"{llm.engine.runner.decode_mode})")
     print(f"phases of a profiled step ({profiled_ms:.1f} ms, profiler on): " + ", ".join(
         f"{name} {phases.get(name, 0.0):.1f} ms ({phases.get(name, 0.0) / profiled_ms:.1%})"
         for name in PHASES))

@@ -10,6 +10,11 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 DTYPE_CHOICES = ("auto", *_DTYPES)  # auto: the model's dtype where the device runs it (dtype.py)
 
+# How a decode-only step runs (engine/decode_graphs.py). eager: op by op, no static buffers.
+# auto: cudagraph on CUDA with the triton attention; eager otherwise: on the CPU where compiling measured slower from batch 16 on
+# and costs ~70 s a bucket (docs/benchmarks.md, "Compiled decode step").
+DECODE_MODES = ("auto", "eager", "static", "compile", "cudagraph", "compile+cudagraph")
+
 
 def parse_dtype(name: str) -> torch.dtype:
     if name not in _DTYPES:
@@ -65,6 +70,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     sampler_backend: str = "auto"  # auto | torch | triton
     load_format: str = "safetensors"  # safetensors | dummy
+    decode_mode: str = "auto"  # DECODE_MODES; --enforce-eager sets eager
+    # batch sizes a non-eager decode mode builds (vLLM's cudagraph capture sizes); empty:
+    # 1, 2, 4, then every multiple of 8 up to max_num_seqs. Larger decode steps run eager.
+    decode_buckets: tuple[int, ...] = ()
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -76,12 +85,34 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in ("auto", "torch", "triton"):
                 raise ValueError(f"{name} must be auto, torch or triton, got {value!r}")
+        if self.decode_mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got "
+                             f"{self.decode_mode!r}")
+        if "cudagraph" in self.decode_mode and not (torch.device(self.device).type == "cuda"
+                                                    and self.use_triton("attention")):
+            raise ValueError(f"decode_mode {self.decode_mode!r} needs a CUDA device and the "
+                             f"triton attention backend (the torch one reads lengths back to "
+                             f"the host), got device {self.device!r}, attention_backend "
+                             f"{self.attention_backend!r}")
+        bad = [b for b in self.decode_buckets
+               if isinstance(b, bool) or not isinstance(b, int) or b < 1
+               or b > self.scheduler.max_num_seqs]
+        if bad:
+            raise ValueError(f"decode_buckets must be batch sizes in [1, max_num_seqs "
+                             f"{self.scheduler.max_num_seqs}], got {bad}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def resolved_decode_mode(self) -> str:
+        if self.decode_mode != "auto":
+            return self.decode_mode
+        graphs = torch.device(self.device).type == "cuda" and self.use_triton("attention")
+        return "cudagraph" if graphs else "eager"
 
     def use_triton(self, which: str) -> bool:
         """Triton on CUDA, torch on the CPU, unless forced."""

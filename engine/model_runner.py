@@ -10,6 +10,7 @@ from torch.profiler import record_function
 from .attention import AttentionMetadata, make_attention_backend
 from .config import EngineConfig
 from .cpu_allocator import keep_buffers_on_heap
+from .decode_graphs import DecodeGraphs, bucket_sizes
 from .memory import check_cache_fits_memory
 from .models import ForwardContext, ModelArch, build_model
 from .request import Request
@@ -41,11 +42,14 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = build_model(arch, folder, config.torch_dtype, self.device, max_positions,
                                  dummy=config.load_format == "dummy", seed=config.seed)
-        if self.device.type == "cpu":
+        self.decode_mode = config.resolved_decode_mode
+        # Inductor traces plain weights (and prepacks its own with freezing), not oneDNN's
+        if self.device.type == "cpu" and not self.decode_mode.startswith("compile"):
             self.model.prepack_weights(batch_hint=config.scheduler.max_num_seqs)
         self.backend = make_attention_backend(config.use_triton("attention"), self.device)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
     def profile_peak_bytes(self, max_model_len: int) -> int:
@@ -94,12 +98,14 @@ class ModelRunner:
         return peak
 
     def allocate(self, num_blocks: int, max_model_len: int) -> None:
-        """The KV cache (num_blocks, from engine/memory.py) and the sampler."""
+        """The KV cache (num_blocks for requests, from engine/memory.py, plus the null block
+        that padding rows of a bucketed decode step write to), the sampler, and the decode
+        graphs of the decode mode."""
         config, arch = self.config, self.arch
         self.num_blocks = num_blocks
         if self.device.type == "cpu":
             check_cache_fits_memory(self.num_blocks, config, arch)
-        shape = (self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim)
+        shape = (self.num_blocks + 1, self.block_size, arch.num_kv_heads, arch.head_dim)
         # No kernel reads a slot past a sequence's length (the kernel tests poison those slots
         # with NaN), so the contents need no initialising. On the CPU the pages are touched once
         # here all the same: otherwise first-touch page faults land inside the decode steps.
@@ -116,6 +122,12 @@ class ModelRunner:
                              f"cache_bytes / num_blocks") from None
         self.sampler = Sampler(config.use_triton("sampler"), arch.vocab_size, config.seed,
                                max_model_len, self.device)
+        if self.decode_mode != "eager":
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend,
+                                       null_block=self.num_blocks, block_size=self.block_size,
+                                       sizes=list(config.decode_buckets) or bucket_sizes(
+                                           config.scheduler.max_num_seqs),
+                                       max_model_len=max_model_len, mode=self.decode_mode)
 
     def release(self, request_id: str) -> None:
         """The request has ended: drop what the runner keeps for it (sampling rows)."""
@@ -138,7 +150,7 @@ class ModelRunner:
         ctx = ForwardContext(model_input.meta, self.kv_caches, self.backend)
         masks = self.sampler.start_masks(model_input.sample_requests)  # overlaps the forward
         with record_function("forward"):
-            hidden = self.model(model_input.input_ids, model_input.positions, ctx)
+            hidden = self._forward(model_input, ctx)
         if not model_input.sample_requests:
             return {}
         with record_function("logits"):
@@ -146,6 +158,14 @@ class ModelRunner:
         with record_function("sampler"):
             sampled = self.sampler(logits, model_input.sample_requests, masks)
         return {r.request_id: s for r, s in zip(model_input.sample_requests, sampled)}
+
+    def _forward(self, model_input: ModelInput, ctx: ForwardContext) -> torch.Tensor:
+        """hidden [T, hidden]: a decode-only step the graphs hold runs on them."""
+        n = model_input.input_ids.shape[0]
+        if (self.graphs is not None and model_input.meta.num_decode_tokens == n
+                and n <= self.graphs.max_batch):
+            return self.graphs.run(model_input.input_ids, model_input.positions, model_input.meta)
+        return self.model(model_input.input_ids, model_input.positions, ctx)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInput:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]

@@ -25,7 +25,7 @@ from .cache import cache_root
 
 log = logging.getLogger("kernels")
 
-SOURCES = [Path(__file__).parent / "cpu" / "paged_decode.cpp"]
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
 # -O3 with -march=native lets the compiler vectorise the head_dim loops for this CPU (AVX2 /
 # AVX-512); the cache directory is per machine, so the native build is never shared.
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it (2x slower on 2 cores); the
@@ -71,12 +71,28 @@ def _register_fake() -> None:
     def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("tritonserve::add_rms_norm")
+    def _(x, residual, weight, eps):
+        return None
+
+    @torch.library.register_fake("tritonserve::silu_and_mul")
+    def _(x):
+        return x.new_empty(x.shape[0], x.shape[1] // 2)
+
 
 def paged_decode_attention():
     """torch.ops.tritonserve.paged_decode_attention(q, k_cache, v_cache, block_tables,
     seq_lens, scale) -> out, same contract as kernels.reference.paged_decode_attention; or
     None when the op is unavailable."""
     return torch.ops.tritonserve.paged_decode_attention if load() else None
+
+
+def fused_ops():
+    """(add_rms_norm, silu_and_mul) from kernels/cpu/fused_ops.cpp, same contracts as
+    kernels.reference's; or None when the library is unavailable."""
+    if not load():
+        return None
+    return torch.ops.tritonserve.add_rms_norm, torch.ops.tritonserve.silu_and_mul
 
 
 def main() -> int:

@@ -21,6 +21,21 @@ def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> None:
+    """In place, x and residual [T, hidden]: residual += x, then x = weight * rms_norm(residual)
+    with transformers' Llama numerics (fp32 statistics, rounded to the dtype before the weight)."""
+    residual.add_(x)
+    normed = torch.nn.functional.rms_norm(residual.float(), (x.shape[-1],), eps=eps)
+    torch.mul(weight, normed.to(x.dtype), out=x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:]  [T, I]"""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:

@@ -13,12 +13,20 @@ from dataclasses import fields
 from aiohttp import web
 
 from engine import LLMEngine
-from engine.config import DTYPE_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import (DECODE_MODES, DTYPE_CHOICES, CacheConfig, EngineConfig,
+                           SchedulerConfig)
 from engine.llm import build_config
 
 from .app import build_app, drain
 from .common import STATE
 from .config import ServerConfig
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,6 +55,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default=e.attention_backend, choices=backends)
     p.add_argument("--sampler-backend", default=e.sampler_backend, choices=backends)
     p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "dummy"])
+    p.add_argument("--decode-mode", default=e.decode_mode, choices=DECODE_MODES,
+                   help="decode steps: auto (CUDA graphs on CUDA, eager on the CPU), eager, "
+                   "static buffers, torch.compile per batch bucket, CUDA graphs")
+    p.add_argument("--decode-buckets", type=_sizes, default=e.decode_buckets,
+                   help="comma-separated batch sizes the decode mode builds (default: 1,2,4, "
+                   "then multiples of 8 up to --max-num-seqs)")
+    p.add_argument("--enforce-eager", dest="decode_mode", action="store_const", const="eager",
+                   help="every step op by op (as --decode-mode eager)")
     p.add_argument("--max-waiting", type=int, default=v.max_waiting,
                    help="waiting requests beyond this get HTTP 503 at once")
     p.add_argument("--max-body-bytes", type=int, default=v.max_body_bytes,
@@ -69,7 +85,8 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, sampler_backend=args.sampler_backend,
-        load_format=args.load_format, seed=args.seed))
+        load_format=args.load_format, decode_mode=args.decode_mode,
+        decode_buckets=args.decode_buckets, seed=args.seed))
 
 
 async def serve_http(app: web.Application, args: argparse.Namespace,

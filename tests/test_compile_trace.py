@@ -1,13 +1,14 @@
-"""torch.compile traces the model's whole decode forward as one graph (fullgraph): the CPU
-decode attention is a registered op with a fake implementation, and `linear` hands the GEMM
-to Inductor while compiling. The groundwork of issue 12's compiled step (bench compile-probe
-measures what it buys)."""
+"""torch.compile traces the model's whole decode forward as one graph (fullgraph): the
+attention goes through the tritonserve ops (fake implementations), the torch store is a
+traced scatter, the fused norm/activation fall back to plain torch, and `linear` hands the
+GEMM to Inductor. The engine's compiled decode mode is tested in test_decode_graphs.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.compile_probe import NoPaddingAttention, decode_batch
+from bench.compile_probe import decode_batch
+from engine.attention import TorchAttention
 from engine.models import ForwardContext, ModelArch
 from engine.models.loader import build_model
 from kernels import cpu_ops
@@ -24,7 +25,7 @@ def test_decode_forward_compiles_as_one_graph_and_matches_eager(tiny_model):
     caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
               for _ in range(arch.num_layers)]
     ids, positions, meta = decode_batch(batch, context, block_size, arch.vocab_size)
-    ctx = ForwardContext(meta, caches, NoPaddingAttention(torch.device("cpu")))
+    ctx = ForwardContext(meta, caches, TorchAttention(torch.device("cpu")))
 
     def step(ids, positions):
         return model.compute_logits(model(ids, positions, ctx))

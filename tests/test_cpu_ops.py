@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, TorchAttention
+from engine.attention import TorchAttention
 from kernels import cpu_ops, reference
 from tests.test_kernels_attention import (POISON, close, make_cache, poison_tails,
                                           scattered_tables)
@@ -64,12 +64,10 @@ def test_backend_falls_back_to_torch_without_the_op(monkeypatch):
     tables = scattered_tables([30, 70], 16, 12, 5)
     lens = torch.tensor([30, 70], dtype=torch.int32)
     q = torch.randn(2, 4, 64)
-    meta = AttentionMetadata(torch.zeros(2, dtype=torch.int64), 2, tables, lens, 70,
-                             tables[:0], lens[:0], torch.zeros(1, dtype=torch.int32), 0)
     fallback = TorchAttention(torch.device("cpu"))
     fallback.cpu_decode = None
     expected = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
-    close(fallback.decode(q, k_cache, v_cache, meta, 0.125), expected, torch.float32)
+    close(fallback.decode(q, k_cache, v_cache, tables, lens, 70, 0.125), expected, torch.float32)
     if op is not None:
         assert TorchAttention(torch.device("cpu")).cpu_decode is not None
         assert TorchAttention(torch.device("meta")).cpu_decode is None  # not a CPU tensor

@@ -30,6 +30,7 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path):
     engine = json.loads((tmp_path / "engine.json").read_text())
     agreement = engine["agreement"]
     assert agreement["identical"] == agreement["sequences"] == 2  # fp32: no ties to break
-    assert [r["batch"] for r in engine["engine"]] == [1, 4]
-    assert all(r["decode_tok_s"] > 0 and r["kv_cache_blocks"] > 0 for r in engine["engine"])
+    for mode, rows in (("eager", engine["engine"]["eager"]), ("static", engine["engine"]["graphs"])):
+        assert [(r["batch"], r["mode"]) for r in rows] == [(1, mode), (4, mode)]
+        assert all(r["decode_tok_s"] > 0 and r["kv_cache_blocks"] > 0 for r in rows)
     assert engine["transformers"][0]["tokens"] == 4 * 8  # every request ran to max_new_tokens

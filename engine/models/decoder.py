@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+from kernels import cpu_ops
+
 from ..attention import AttentionBackend, AttentionMetadata
 from ..dtype import cpu_has_native_bf16
 from .arch import ModelArch, rope_inv_freq
@@ -80,18 +83,55 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm (fp32 statistics, weight applied in the input dtype), with
+    torch's fused rms_norm: 3 dispatched ops instead of 7."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, hidden] -> (rms_norm(residual + x) * weight, residual + x), in place
+    (x and residual are a layer's fresh outputs) by one fused op: the C++ op on the CPU, the
+    Triton kernel on CUDA. Under torch.compile, plain torch: Inductor fuses it itself."""
+    fused = None
+    if not torch.compiler.is_compiling() and x.dtype == weight.dtype and x.is_contiguous() \
+            and residual.is_contiguous():
+        if x.device.type == "cpu":
+            ops = cpu_ops.fused_ops()
+            fused = ops[0] if ops is not None else None
+        elif x.device.type == "cuda":
+            fused = kernels.add_rms_norm
+    if fused is None:
+        residual = residual + x
+        return _rms_norm(residual, weight, eps), residual
+    fused(x, residual, weight, eps)
+    return x, residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:], one op (C++ on the CPU, Triton on CUDA)."""
+    if not torch.compiler.is_compiling():
+        if x.device.type == "cpu" and (ops := cpu_ops.fused_ops()) is not None:
+            return ops[1](x)
+        if x.device.type == "cuda":
+            return kernels.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """transformers' LlamaRMSNorm (fp32 statistics, weight applied in the input dtype),
-        with torch's fused rms_norm: 3 dispatched ops instead of 7, 61 times a SmolLM2 step."""
-        dtype = x.dtype
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x -> normed x; with a residual: (normed residual + x, residual + x), fused."""
+        if residual is None:
+            return _rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -158,8 +198,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -170,9 +209,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, rope: RopeTables, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output, residual: the stream before it (None for the
+        first layer, whose x is the embedding) -> this layer's (MLP output, residual)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -203,9 +250,10 @@ class DecoderForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden]"""
         x = self.embed_tokens(input_ids)
         rope = self.rope.lookup(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x, ctx)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, ctx)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab]"""

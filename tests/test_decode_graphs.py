@@ -1,0 +1,169 @@
+"""Decode steps on static buffers per batch bucket (engine/decode_graphs.py): the path CUDA
+graphs replay, run here without the capture (static) and compiled (Inductor on the CPU).
+Greedy output stays token-identical to transformers; padding rows touch only the null block."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import AttentionMetadata, TorchAttention
+from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphs, bucket_sizes
+from engine.models import ForwardContext, ModelArch
+from engine.models.loader import build_model
+from kernels import cpu_ops
+from tests.parity import assert_parity, hf_greedy
+from tests.test_engine_parity import mixed_prompts, run_and_compare
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(3) == [1, 2, 3]
+    assert bucket_sizes(16) == [1, 2, 4, 8, 16]
+    assert bucket_sizes(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert bucket_sizes(64)[-3:] == [48, 56, 64]
+
+
+def count_graph_runs(llm) -> list[int]:
+    """Wraps the runner's DecodeGraphs.run; returns the list the batch sizes land in."""
+    graphs = llm.engine.runner.graphs
+    calls: list[int] = []
+    original = graphs.run
+
+    def run(input_ids, positions, meta):
+        calls.append(input_ids.shape[0])
+        return original(input_ids, positions, meta)
+
+    graphs.run = run
+    return calls
+
+
+def test_static_decode_matches_transformers_across_buckets(tiny_model):
+    """11 prompts of mixed lengths: decode batches of 11 (bucket 16, 5 padding rows) down to
+    1 as sequences finish at different lengths, max_num_seqs 12 (a bucket that is no power
+    of two), and preemption none: every decode step goes through the buckets."""
+    probe = LLM(tiny_model, decode_mode="static", max_num_seqs=12)
+    assert probe.engine.runner.graphs.sizes == [1, 2, 4, 8, 12]
+    calls = count_graph_runs(probe)
+    prompts = mixed_prompts(probe.tokenizer, count=11, seed=5)
+    outs = probe.generate(prompts, SamplingParams(temperature=0.0, max_tokens=14))
+    assert calls and max(calls) == 11 and min(calls) >= 1
+    assert any(n not in probe.engine.runner.graphs.sizes for n in calls)  # padded steps ran
+    assert_parity([o.token_ids for o in outs],
+                  hf_greedy(tiny_model, prompts, 14, set(probe.engine.eos_token_ids)))
+    assert probe.engine.kv_cache.num_used_blocks == 0
+
+
+def test_static_decode_under_preemption_and_prefix_hits(tiny_model):
+    llm = LLM(tiny_model)
+    prefix = "Paged attention stores keys and values in fixed-size blocks. " * 3
+    prompts = mixed_prompts(llm.tokenizer, seed=2, shared_prefix=prefix)
+    llm = run_and_compare(tiny_model, prompts, max_tokens=20, num_blocks=30,
+                          decode_mode="static", max_num_seqs=8)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_padding_rows_write_only_the_null_block(tiny_model):
+    arch = ModelArch.from_folder(tiny_model)
+    model = build_model(arch, tiny_model, torch.float32, torch.device("cpu"), 64)
+    block_size, num_blocks = 16, 10  # block 10 is the null block
+    shape = (num_blocks + 1, block_size, arch.num_kv_heads, arch.head_dim)
+    gen = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+              for _ in range(arch.num_layers)]
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    graphs = DecodeGraphs(model, caches, TorchAttention(torch.device("cpu")),
+                          null_block=num_blocks, block_size=block_size, sizes=[8, 1, 4],
+                          max_model_len=64, mode="static")
+    # three sequences of 20, 5 and 33 tokens in bucket 4: one padding row
+    tables = torch.tensor([[3, 1, 0], [7, 0, 0], [2, 5, 9]], dtype=torch.int32)
+    lens = torch.tensor([20, 5, 33], dtype=torch.int32)
+    slots = torch.tensor([1 * 16 + 3, 7 * 16 + 4, 9 * 16 + 0])  # position len - 1
+    empty = torch.zeros(0, dtype=torch.int32)
+    meta = AttentionMetadata(slots, 3, tables, lens, 33, empty.view(0, 0), empty,
+                             torch.zeros(1, dtype=torch.int32), 0)
+    ids = torch.tensor([4, 8, 15])
+    with torch.inference_mode():
+        hidden = graphs.run(ids, lens.long() - 1, meta)
+    assert graphs.sizes == [1, 4, 8]
+    assert hidden.shape == (3, arch.hidden_size) and graphs.bucket(3) == 4
+    written = {1 * 16 + 3, 7 * 16 + 4, 9 * 16 + 0}
+    for (k, v), (k0, v0) in zip(caches, before):
+        changed = ((k != k0).flatten(2).any(-1) | (v != v0).flatten(2).any(-1)).view(-1)
+        touched = set(changed.nonzero().view(-1).tolist())
+        assert touched - written == {num_blocks * block_size}  # the padding row's one slot
+        assert written <= touched
+    # the same step through the model directly, without buckets or padding
+    ctx_meta = AttentionMetadata(slots, 3, tables, lens, 33, empty.view(0, 0), empty,
+                                 torch.zeros(1, dtype=torch.int32), 0)
+    with torch.inference_mode():
+        direct = model(ids, lens.long() - 1,
+                       ForwardContext(ctx_meta, before, TorchAttention(torch.device("cpu"))))
+    torch.testing.assert_close(hidden, direct)
+
+
+def test_decode_mode_choices_and_enforce_eager(tiny_model):
+    from server.__main__ import parse_args
+    assert parse_args([]).decode_mode == EngineConfig.decode_mode == "auto"
+    assert parse_args(["--enforce-eager"]).decode_mode == "eager"
+    assert parse_args(["--decode-mode", "static"]).decode_mode == "static"
+    assert EngineConfig().resolved_decode_mode == "eager"  # the CPU default (measured)
+    assert EngineConfig(device="cuda").resolved_decode_mode == "cudagraph"
+    with pytest.raises(ValueError, match="decode_mode"):
+        EngineConfig(decode_mode="cudagraph")  # needs CUDA
+    with pytest.raises(ValueError, match="decode_mode"):
+        EngineConfig(decode_mode="graphs")
+    assert parse_args(["--decode-buckets", "1,8,32"]).decode_buckets == (1, 8, 32)
+    with pytest.raises(ValueError, match="decode_buckets"):
+        EngineConfig(decode_buckets=(1, 65))  # past max_num_seqs 64
+    with pytest.raises(SystemExit):
+        parse_args(["--decode-buckets", "1,x"])
+    assert LLM(tiny_model, max_num_seqs=4).engine.runner.graphs is None
+    assert LLM(tiny_model, decode_mode="eager").engine.runner.graphs is None
+    llm = LLM(tiny_model, decode_mode="static", decode_buckets=(2, 6), max_num_seqs=8)
+    assert llm.engine.runner.graphs.sizes == [2, 6]
+    calls = count_graph_runs(llm)
+    prompts = mixed_prompts(llm.tokenizer, count=8, seed=6)
+    short, long = SamplingParams(temperature=0.0, max_tokens=3), SamplingParams(
+        temperature=0.0, max_tokens=8)
+    outs = llm.generate(prompts, [short] * 3 + [long] * 5)
+    assert calls and max(calls) <= 6  # the 8-row steps ran eager, past the largest bucket
+    eos = set(llm.engine.eos_token_ids)
+    assert_parity([o.token_ids for o in outs],
+                  hf_greedy(tiny_model, prompts[:3], 3, eos) + hf_greedy(tiny_model, prompts[3:],
+                                                                          8, eos))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cpu_ops.paged_decode_attention() is None, reason="no C++ toolchain")
+def test_compiled_decode_matches_transformers(tiny_model):
+    """Inductor compiles each bucket's forward (fullgraph: the attention, KV write and the
+    C++ decode are the tritonserve ops); fp32 greedy stays token-identical."""
+    llm = LLM(tiny_model, decode_mode="compile", max_num_seqs=4)
+    graphs = llm.engine.runner.graphs
+    assert graphs.sizes == [1, 2, 4] and graphs.build_seconds > 0
+    calls = count_graph_runs(llm)
+    prompts = mixed_prompts(llm.tokenizer, count=7, seed=4)  # 4 at a time, then 3
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    assert any(n not in graphs.sizes for n in calls)  # a padded bucket ran compiled
+    assert_parity([o.token_ids for o in outs],
+                  hf_greedy(tiny_model, prompts, 12, set(llm.engine.eos_token_ids)))
+
+
+def test_cudagraph_decode_matches_eager(tiny_model, device):
+    """On CUDA (bench/gpu_check.sh runs it): every bucket captured at start-up and replayed;
+    greedy tokens identical to the eager engine on the same weights."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    prompts = mixed_prompts(LLM(tiny_model, max_num_seqs=2).tokenizer, count=11, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    runs = {}
+    for mode in ("eager", "cudagraph"):
+        llm = LLM(tiny_model, device="cuda", dtype="float32", decode_mode=mode, max_num_seqs=12)
+        if mode == "cudagraph":
+            assert llm.engine.runner.graphs.sizes == [1, 2, 4, 8, 12]
+            calls = count_graph_runs(llm)
+        runs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert calls and max(calls) == 11
+    assert runs["cudagraph"] == runs["eager"]

@@ -1,0 +1,80 @@
+"""The fused elementwise ops (residual add + RMSNorm, SiLU x mul) against transformers' Llama
+formulation written out here: the Triton kernels (interpreted on the CPU, on CUDA in
+gpu_check), the C++ CPU ops, and kernels.reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import cpu_ops, reference
+
+CPU_OPS = cpu_ops.fused_ops()
+IMPLS = {"triton": (kernels.add_rms_norm, kernels.silu_and_mul),
+         "reference": (reference.add_rms_norm, reference.silu_and_mul)}
+if CPU_OPS is not None:
+    IMPLS["cpp"] = CPU_OPS
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def llama_add_norm(x, residual, weight, eps):
+    """transformers: hidden = residual + x; LlamaRMSNorm(hidden)."""
+    hidden = residual + x
+    h = hidden.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), hidden
+
+
+def run_on(impl, device):
+    if impl == "cpp" and device != "cpu":
+        pytest.skip("the C++ ops are CPU only")
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 96), (3, 576)])
+def test_add_rms_norm(impl, dtype, rows, hidden, device):
+    run_on(impl, device)
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype).to(device)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype).to(device)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype).to(device)
+    expected, expected_sum = llama_add_norm(x, residual, weight, 1e-5)
+    x_in, r_in = x.clone(), residual.clone()
+    IMPLS[impl][0](x_in, r_in, weight, 1e-5)  # in place
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(r_in, expected_sum, atol=tol, rtol=tol)
+    torch.testing.assert_close(x_in, expected, atol=tol * 4, rtol=tol)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inner", [(1, 64), (4, 1536), (2, 100)])
+def test_silu_and_mul(impl, dtype, rows, inner, device):
+    run_on(impl, device)
+    gen = torch.Generator().manual_seed(rows + inner)
+    x = (torch.randn(rows, 2 * inner, generator=gen) * 4).to(dtype).to(device)
+    gate, up = x[:, :inner], x[:, inner:]
+    expected = F.silu(gate) * up
+    got = IMPLS[impl][1](x)
+    assert got.shape == (rows, inner) and got.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=tol * 4, rtol=tol)
+
+
+def test_silu_and_mul_reads_a_strided_view(device):
+    """The gate/up projection's output sliced from a wider buffer: rows not contiguous."""
+    wide = torch.randn(3, 300, device=device)
+    x = wide[:, :200]
+    for name, (_, silu_and_mul) in IMPLS.items():
+        if name == "cpp" and device != "cpu":
+            continue
+        torch.testing.assert_close(silu_and_mul(x), F.silu(x[:, :100]) * x[:, 100:])
+
+
+def test_bad_shapes_name_the_problem():
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        kernels.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        kernels.silu_and_mul(torch.zeros(2, 7))
