@@ -87,9 +87,11 @@ def paged_decode_attention():
     return torch.ops.tritonserve.paged_decode_attention if load() else None
 
 
+@functools.cache
 def fused_ops():
     """(add_rms_norm, silu_and_mul) from kernels/cpu/fused_ops.cpp, same contracts as
-    kernels.reference's; or None when the library is unavailable."""
+    kernels.reference's; or None when the library is unavailable. Cached: the decoder asks
+    twice a layer."""
     if not load():
         return None
     return torch.ops.tritonserve.add_rms_norm, torch.ops.tritonserve.silu_and_mul
