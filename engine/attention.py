@@ -115,8 +115,9 @@ class TorchAttention(AttentionBackend):
     @staticmethod
     def store_kv_traced(k, v, k_cache, v_cache, slot_mapping) -> None:
         """The compiled decode's store: its padding rows write the null block, never slot -1,
-        so the host check goes and Inductor fuses the scatter into the graph (through the op:
-        0.26 ms a call at batch 1, measured; traced: XXX)."""
+        so the host check goes and the scatter is traced into the graph. Through the op it cost
+        0.26 ms a call (batch 1, 60 calls a step); traced, the compiled batch-1 SmolLM2 step
+        went from 89.8 to 78.7 ms."""
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 

@@ -11,8 +11,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 DTYPE_CHOICES = ("auto", *_DTYPES)  # auto: the model's dtype where the device runs it (dtype.py)
 
 # How a decode-only step runs (engine/decode_graphs.py). eager: op by op, no static buffers.
-# auto: cudagraph on CUDA with the triton attention; eager otherwise: on the CPU where compiling measured slower from batch 16 on
-# and costs ~70 s a bucket (docs/benchmarks.md, "Compiled decode step").
+# auto: cudagraph on CUDA with the triton attention; eager otherwise. On the CPU compiling
+# measured no faster from batch 16 on and costs ~70 s a bucket (docs/benchmarks.md,
+# "Compiled decode step").
 DECODE_MODES = ("auto", "eager", "static", "compile", "cudagraph", "compile+cudagraph")
 
 

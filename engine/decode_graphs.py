@@ -80,8 +80,8 @@ class DecodeGraphs:
         if mode.startswith("compile"):
             use_compile_cache()
             _allow_recompiles(len(self.sizes))
-            # freezing: the weights become constants, which Inductor prepacks for oneDNN on
-            # the CPU (without it the GEMMs ran as aten::mm, MKL: XXX)
+            # freezing: the weights become constants Inductor may prepack on the CPU (on the
+            # AVX2 test machine its GEMMs still ran as aten::mm / addmm: docs/benchmarks.md)
             forward = torch.compile(model, fullgraph=True, dynamic=False,
                                     options={"freezing": device.type == "cpu"})
         self.runs: dict[int, Callable[[], torch.Tensor]] = {}
