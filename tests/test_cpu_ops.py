@@ -2,6 +2,8 @@
 the fallback when it cannot be built."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -71,3 +73,16 @@ def test_backend_falls_back_to_torch_without_the_op(monkeypatch):
     if op is not None:
         assert TorchAttention(torch.device("cpu")).cpu_decode is not None
         assert TorchAttention(torch.device("meta")).cpu_decode is None  # not a CPU tensor
+
+
+def test_sources_are_staged_once_at_stable_paths(tmp_path):
+    """The build reads copies under the cache, rewritten only when a source changes, so every
+    checkout of the same code names the same paths and reuses one build."""
+    first = cpu_ops.stage_sources(tmp_path)
+    assert [p.rsplit("/", 1)[1] for p in first] == [s.name for s in cpu_ops.SOURCES]
+    stamps = [Path(p).stat().st_mtime_ns for p in first]
+    Path(first[0]).write_text("// edited\n")
+    again = cpu_ops.stage_sources(tmp_path)
+    assert again == first
+    assert Path(first[0]).read_bytes() == cpu_ops.SOURCES[0].read_bytes()  # restored
+    assert Path(first[1]).stat().st_mtime_ns == stamps[1]  # untouched: same contents
