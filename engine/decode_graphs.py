@@ -26,11 +26,12 @@ import torch
 from kernels.cache import cache_root
 
 from .attention import AttentionBackend, AttentionMetadata
+from .config import DECODE_MODES
 from .models import ForwardContext
 
 log = logging.getLogger("engine")
 
-MODES = ("static", "compile", "cudagraph", "compile+cudagraph")
+MODES = tuple(m for m in DECODE_MODES if m not in ("auto", "eager"))
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -85,7 +86,6 @@ class DecodeGraphs:
             forward = torch.compile(model, fullgraph=True, dynamic=False,
                                     options={"freezing": device.type == "cpu"})
         self.runs: dict[int, Callable[[], torch.Tensor]] = {}
-        self.build_seconds = 0.0
         start = time.perf_counter()
         pool = None
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool

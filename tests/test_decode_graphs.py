@@ -95,11 +95,9 @@ def test_padding_rows_write_only_the_null_block(tiny_model):
         assert touched - written == {num_blocks * block_size}  # the padding row's one slot
         assert written <= touched
     # the same step through the model directly, without buckets or padding
-    ctx_meta = AttentionMetadata(slots, 3, tables, lens, 33, empty.view(0, 0), empty,
-                                 torch.zeros(1, dtype=torch.int32), 0)
     with torch.inference_mode():
         direct = model(ids, lens.long() - 1,
-                       ForwardContext(ctx_meta, before, TorchAttention(torch.device("cpu"))))
+                       ForwardContext(meta, before, TorchAttention(torch.device("cpu"))))
     torch.testing.assert_close(hidden, direct)
 
 
