@@ -81,10 +81,10 @@ class DecodeGraphs:
         if mode.startswith("compile"):
             use_compile_cache()
             _allow_recompiles(len(self.sizes))
-            # freezing: the weights become constants Inductor may prepack on the CPU (on the
-            # AVX2 test machine its GEMMs still ran as aten::mm / addmm: docs/benchmarks.md)
-            forward = torch.compile(model, fullgraph=True, dynamic=False,
-                                    options={"freezing": device.type == "cpu"})
+            # No `freezing`: with it Inductor's GEMMs still ran as aten::mm / addmm on the test
+            # CPU, and it bypasses the FX graph cache (a warm start of three SmolLM2 buckets
+            # took 72 s with it; docs/benchmarks.md)
+            forward = torch.compile(model, fullgraph=True, dynamic=False)
         self.runs: dict[int, Callable[[], torch.Tensor]] = {}
         start = time.perf_counter()
         pool = None

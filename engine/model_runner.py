@@ -43,7 +43,7 @@ class ModelRunner:
         self.model = build_model(arch, folder, config.torch_dtype, self.device, max_positions,
                                  dummy=config.load_format == "dummy", seed=config.seed)
         self.decode_mode = config.resolved_decode_mode
-        # Inductor traces plain weights (and prepacks its own with freezing), not oneDNN's
+        # Inductor traces plain weights (oneDNN-packed ones are opaque to it)
         if self.device.type == "cpu" and not self.decode_mode.startswith("compile"):
             self.model.prepack_weights(batch_hint=config.scheduler.max_num_seqs)
         self.backend = make_attention_backend(config.use_triton("attention"), self.device)
