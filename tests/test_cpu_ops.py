@@ -23,6 +23,10 @@ CASES = [
     (2, [40, 7], 16, 96, torch.float32),  # a head size with no specialised build
     (3, [48, 9, 130], 16, 64, torch.bfloat16),
     (4, [48, 9], 16, 128, torch.float16),
+    # 40 sequences: at batch >= 4 x threads a work item is a whole sequence (all KV heads)
+    (3, list(range(1, 400, 10)), 16, 64, torch.float32),
+    (2, list(range(3, 200, 5)), 32, 96, torch.float32),
+    (4, list(range(1, 120, 3)), 16, 128, torch.bfloat16),
 ]
 
 
@@ -40,6 +44,28 @@ def test_cpu_decode_matches_reference(group, seq_lens, block_size, head_dim, dty
     actual = op(q, k_cache, v_cache, tables, lens, 0.1)
     assert actual.shape == q.shape and actual.dtype == dtype
     close(actual, expected, dtype)
+
+
+@needs_op
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_decode_work_split_does_not_change_the_result(threads):
+    """The op splits a sequence into per-KV-head items below 4 x threads sequences and keeps
+    it whole above: with 1 thread 6 sequences run whole, with 2 they split; both match."""
+    seq_lens, block_size, kv_heads, group, head_dim = [5, 200, 64, 70, 17, 33], 16, 3, 3, 64
+    pool = sum(-(-n // block_size) for n in seq_lens) + 5
+    k_cache, v_cache = make_cache(pool, block_size, kv_heads, head_dim, torch.float32, "cpu", 4)
+    tables = scattered_tables(seq_lens, block_size, pool, 4)
+    poison_tails(k_cache, v_cache, tables, seq_lens, block_size)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim)
+    expected = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        actual = op(q, k_cache, v_cache, tables, lens, 0.1)
+    finally:
+        torch.set_num_threads(before)
+    close(actual, expected, torch.float32)
 
 
 @needs_op

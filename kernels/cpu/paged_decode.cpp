@@ -1,9 +1,15 @@
 // paged_decode_attention for the CPU: one new query per sequence over its paged KV cache,
 // read in place through the block table (no gather into new tensors, no host read-back).
 //
-// Work item: (sequence, KV head). Its G query heads share every K/V row they read (GQA).
-// Tokens are taken a page at a time: scores for the page, then an online-softmax update of
-// the G accumulators (flash-decoding's recurrence, in fp32 whatever the cache dtype).
+// Work item: one sequence with all its heads (at batch >= 4 x threads), else one (sequence,
+// KV head), so that small batches still use every thread. Tokens are taken a page at a time:
+// the page's rows are contiguous, read front to back while the next page is prefetched;
+// scores for the page, then an online-softmax update of the accumulators (flash-decoding's
+// recurrence, in fp32 whatever the cache dtype; a bf16/fp16 page is converted once, not once
+// per query head). The value pass runs head by head so each head's accumulator stays in
+// registers. Measured (batch 64, SmolLM2 heads, lengths 50-400, pages scattered, fp32):
+// 4.0-4.9 ms per call with one (sequence, KV head) per item and a row at a time, 2.6-3.0 ms
+// now; bf16 4.5 -> 2.5 ms (docs/benchmarks.md).
 // Registered as torch.ops.tritonserve.paged_decode_attention (CPU); kernels/cpu_ops.py
 // builds it and registers the fake (shape-only) implementation torch.compile traces with.
 #include <torch/extension.h>
@@ -20,78 +26,115 @@ namespace {
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
-// A cache row as fp32: in place for an fp32 cache, else converted into `buffer`.
+// A page's rows for kv heads [h0, h0 + nh) as fp32: in place for an fp32 cache (row stride
+// `row`), else converted once into `buffer` (row stride nh * head_dim).
 template <typename T>
-inline const float* as_float(const T* row, float* buffer, int64_t n) {
+inline const float* page_as_float(const T* page, float* buffer, int64_t n, int64_t nh,
+                                  int64_t row, int64_t head_dim) {
   if constexpr (std::is_same_v<T, float>) {
-    return row;
+    return page;
   } else {
-    for (int64_t d = 0; d < n; ++d) buffer[d] = to_float(row[d]);
+    const int64_t span = nh * head_dim;
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < span; ++d) buffer[t * span + d] = to_float(page[t * row + d]);
     return buffer;
   }
 }
 
 // HD > 0: the head size known at compile time (64, 128: fully unrolled, vectorised loops);
-// HD == 0: any head size, from head_dim_arg.
+// HD == 0: any head size, from head_dim_arg. One sequence, KV heads [h0, h1) and their
+// query heads; q / out point at the sequence's row.
 template <typename scalar_t, int HD>
-void decode_one(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+void decode_seq(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                 const int32_t* table, int64_t seq_len, int64_t block_size,
-                int64_t kv_heads, int64_t head_dim_arg, int64_t group, int64_t kv_head,
+                int64_t kv_heads, int64_t head_dim_arg, int64_t group, int64_t h0, int64_t h1,
                 float scale, scalar_t* out, int64_t q_head_stride, int64_t out_head_stride) {
   const int64_t head_dim = HD > 0 ? HD : head_dim_arg;
+  const int64_t heads = (h1 - h0) * group;  // the query heads of kv heads [h0, h1)
   const int64_t row = kv_heads * head_dim;  // elements between two token slots
-  std::vector<float> qf(group * head_dim), acc(group * head_dim, 0.0f);
-  std::vector<float> m(group, -std::numeric_limits<float>::infinity()), l(group, 0.0f);
-  std::vector<float> scores(group * block_size), kf(head_dim);
-  for (int64_t g = 0; g < group; ++g) {
-    const scalar_t* qg = q + (kv_head * group + g) * q_head_stride;
-    for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(qg[d]) * scale;
+  std::vector<float> qf(heads * head_dim), acc(heads * head_dim, 0.0f);
+  std::vector<float> m(heads, -std::numeric_limits<float>::infinity()), l(heads, 0.0f);
+  std::vector<float> scores(heads * block_size);
+  std::vector<float> kbuf(std::is_same_v<scalar_t, float> ? 0 : block_size * (h1 - h0) * head_dim);
+  std::vector<float> vbuf(kbuf.size());
+  for (int64_t h = 0; h < heads; ++h) {
+    const scalar_t* qh = q + (h0 * group + h) * q_head_stride;
+    for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = to_float(qh[d]) * scale;
   }
   for (int64_t start = 0; start < seq_len; start += block_size) {
     const int64_t n = std::min(block_size, seq_len - start);
     const int64_t page = table[start / block_size];
-    const scalar_t* kp = k_cache + page * block_size * row + kv_head * head_dim;
-    const scalar_t* vp = v_cache + page * block_size * row + kv_head * head_dim;
+    const scalar_t* kp = k_cache + page * block_size * row + h0 * head_dim;
+    const scalar_t* vp = v_cache + page * block_size * row + h0 * head_dim;
+    if (start + block_size < seq_len) {  // the next page, while this one computes
+      const int64_t next = table[start / block_size + 1];
+      const int64_t span = (h1 - h0) * head_dim * sizeof(scalar_t);
+      const int64_t nn = std::min(block_size, seq_len - start - block_size);
+      const char* kn = reinterpret_cast<const char*>(k_cache + next * block_size * row + h0 * head_dim);
+      const char* vn = reinterpret_cast<const char*>(v_cache + next * block_size * row + h0 * head_dim);
+      for (int64_t t = 0; t < nn; ++t)
+        for (int64_t b = 0; b < span; b += 64) {
+          __builtin_prefetch(kn + t * row * sizeof(scalar_t) + b);
+          __builtin_prefetch(vn + t * row * sizeof(scalar_t) + b);
+        }
+    }
+    const float* kf_page = page_as_float(kp, kbuf.data(), n, h1 - h0, row, head_dim);
+    const float* vf_page = page_as_float(vp, vbuf.data(), n, h1 - h0, row, head_dim);
+    const int64_t frow = std::is_same_v<scalar_t, float> ? row : (h1 - h0) * head_dim;
     for (int64_t t = 0; t < n; ++t) {
-      const float* k = as_float(kp + t * row, kf.data(), head_dim);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = qf.data() + g * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* qh = qf.data() + h * head_dim;
+        const float* k = kf_page + t * frow + (h / group) * head_dim;
         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * k[d];
-        scores[g * block_size + t] = s;
+        for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * k[d];
+        scores[h * block_size + t] = s;
       }
     }
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = scores.data() + g * block_size;
-      float page_max = *std::max_element(sg, sg + n);
-      const float m_new = std::max(m[g], page_max);
-      const float alpha = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first page
+    for (int64_t h = 0; h < heads; ++h) {
+      float* sh = scores.data() + h * block_size;
+      float page_max = *std::max_element(sh, sh + n);
+      const float m_new = std::max(m[h], page_max);
+      const float alpha = std::exp(m[h] - m_new);  // exp(-inf) = 0 on the first page
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < n; ++t) {
-        sg[t] = std::exp(sg[t] - m_new);
-        sum += sg[t];
+        sh[t] = std::exp(sh[t] - m_new);
+        sum += sh[t];
       }
-      l[g] = l[g] * alpha + sum;
-      m[g] = m_new;
-      float* ag = acc.data() + g * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) ag[d] *= alpha;
+      l[h] = l[h] * alpha + sum;
+      m[h] = m_new;
+      float* ah = acc.data() + h * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) ah[d] *= alpha;
     }
-    for (int64_t t = 0; t < n; ++t) {
-      const float* v = as_float(vp + t * row, kf.data(), head_dim);
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * block_size + t];
-        float* ag = acc.data() + g * head_dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* vh = vf_page + (h / group) * head_dim;
+      const float* sh = scores.data() + h * block_size;
+      float* ah = acc.data() + h * head_dim;
+      float a[HD > 0 ? HD : 1];
+      if constexpr (HD > 0) {
+        for (int64_t d = 0; d < HD; ++d) a[d] = ah[d];
+        for (int64_t t = 0; t < n; ++t) {
+          const float p = sh[t];
+          const float* v = vh + t * frow;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * v[d];
+          for (int64_t d = 0; d < HD; ++d) a[d] += p * v[d];
+        }
+        for (int64_t d = 0; d < HD; ++d) ah[d] = a[d];
+      } else {
+        for (int64_t t = 0; t < n; ++t) {
+          const float p = sh[t];
+          const float* v = vh + t * frow;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * v[d];
+        }
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    scalar_t* og = out + (kv_head * group + g) * out_head_stride;
-    const float inv = 1.0f / l[g];
-    for (int64_t d = 0; d < head_dim; ++d) og[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv);
+  for (int64_t h = 0; h < heads; ++h) {
+    scalar_t* oh = out + (h0 * group + h) * out_head_stride;
+    const float inv = 1.0f / l[h];
+    for (int64_t d = 0; d < head_dim; ++d) oh[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv);
   }
 }
 
@@ -122,13 +165,17 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     const int64_t q_seq_stride = qc.stride(0), q_head_stride = qc.stride(1);
-    auto one = head_dim == 64 ? decode_one<scalar_t, 64>
-             : head_dim == 128 ? decode_one<scalar_t, 128> : decode_one<scalar_t, 0>;
-    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    auto one = head_dim == 64 ? decode_seq<scalar_t, 64>
+             : head_dim == 128 ? decode_seq<scalar_t, 128> : decode_seq<scalar_t, 0>;
+    // items per sequence: 1 (whole pages, sequential reads) when there are enough sequences
+    // to keep every thread busy, else one per KV head (batch 1 would otherwise use one core)
+    const int64_t split = batch >= 4 * at::get_num_threads() ? 1 : kv_heads;
+    at::parallel_for(0, batch * split, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / kv_heads, h = item % kv_heads;
+        const int64_t b = item / split, part = item % split;
+        const int64_t h0 = part * kv_heads / split, h1 = (part + 1) * kv_heads / split;
         one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, table_ptr + b * table_stride, len_ptr[b],
-            block_size, kv_heads, head_dim, group, h, static_cast<float>(scale),
+            block_size, kv_heads, head_dim, group, h0, h1, static_cast<float>(scale),
             out_ptr + b * heads * head_dim, q_head_stride, head_dim);
       }
     });
