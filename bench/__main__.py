@@ -1,5 +1,5 @@
 """python -m bench {throughput,profile,kernels,serve,conformance,grammar,loading,
-    engine-check,compile-probe} ..."""
+    engine-check,compile-probe,cpu-decode} ..."""
 from __future__ import annotations
 
 import importlib
@@ -15,6 +15,7 @@ COMMANDS = {
     "loading": "bench.loading",
     "engine-check": "bench.engine_check",
     "compile-probe": "bench.compile_probe",
+    "cpu-decode": "bench.cpu_decode",
 }
 
 

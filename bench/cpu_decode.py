@@ -1,0 +1,85 @@
+"""python -m bench cpu-decode: the CPU decode attention alone, C++ op against the torch path.
+
+SmolLM2's heads (9 query / 3 KV of 64) by default, one decode query per sequence over paged
+K/V whose pages are scattered at random over a pool larger than the last-level cache (the
+engine's blocks end up scattered too). Between timed calls a buffer larger than the cache is
+read (--flush), as the projections' weights are in the engine, so the op reads cold pages.
+The machine's own read bandwidth is measured in the same run: the op's GB/s is its share.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from engine.attention import bucketed_decode_attention
+from kernels import cpu_ops
+
+
+def _median_s(fn, calls: int, flush: torch.Tensor | None) -> float:
+    times = []
+    for _ in range(calls + 2):  # two warm-up calls
+        if flush is not None:
+            flush.sum()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
+
+
+def read_gbps(nbytes: int = 256 << 20) -> float:
+    x = torch.ones(nbytes // 4)
+    best = min(_median_s(x.sum, 1, None) for _ in range(5))
+    return nbytes / best / 1e9
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench cpu-decode")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--input-range", default="50:400", help="MIN:MAX uniform context lengths")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--flush-mb", type=int, default=128, help="0: no flush between calls")
+    ap.add_argument("--pool-mb", type=int, default=512, help="K+V cache the pages scatter over")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    op = cpu_ops.paged_decode_attention()
+    if op is None:
+        print("the C++ op is not available (see the log line): nothing to compare")
+        return 1
+    dtype = getattr(torch, args.dtype)
+    low, high = (int(x) for x in args.input_range.split(":"))
+    gen = torch.Generator().manual_seed(args.seed)
+    flush = torch.ones(args.flush_mb << 18) if args.flush_mb else None
+    print(f"read bandwidth (this run): {read_gbps():.1f} GB/s; threads {torch.get_num_threads()}; "
+          f"{args.dtype}, heads {args.heads}/{args.kv_heads} x {args.head_dim}")
+    print(f"{'batch':>5} {'KV MB':>7} {'C++ op ms':>10} {'GB/s':>6} {'torch ms':>9} {'speed-up':>8}")
+    for batch in (int(b) for b in args.batches.split(",")):
+        lens = torch.randint(low, high + 1, (batch,), generator=gen, dtype=torch.int32)
+        pages = [-(-int(n) // args.block_size) for n in lens]
+        kv_bytes = int(lens.sum()) * args.kv_heads * args.head_dim * 2 * dtype.itemsize
+        pool = max(sum(pages) * 4, (args.pool_mb << 20) // (args.block_size * args.kv_heads
+                                                    * args.head_dim * 2 * dtype.itemsize))
+        shape = (pool, args.block_size, args.kv_heads, args.head_dim)
+        k_cache = torch.randn(shape, generator=gen).to(dtype)
+        v_cache = torch.randn(shape, generator=gen).to(dtype)
+        perm = torch.randperm(pool, generator=gen)
+        tables = torch.zeros(batch, max(pages), dtype=torch.int32)  # [B, max pages]
+        used = 0
+        for row, n in enumerate(pages):
+            tables[row, :n] = perm[used:used + n]
+            used += n
+        q = torch.randn(batch, args.heads, args.head_dim, generator=gen).to(dtype)  # [B, H, D]
+        scale = args.head_dim ** -0.5
+        op_s = _median_s(lambda: op(q, k_cache, v_cache, tables, lens, scale), args.calls, flush)
+        torch_s = _median_s(lambda: bucketed_decode_attention(q, k_cache, v_cache, tables, lens,
+                                                              scale), args.calls, flush)
+        print(f"{batch:>5} {kv_bytes / 1e6:>7.1f} {op_s * 1e3:>10.2f} "
+              f"{kv_bytes / op_s / 1e9:>6.1f} {torch_s * 1e3:>9.2f} {torch_s / op_s:>7.2f}x")
+    return 0
