@@ -16,8 +16,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -170,9 +172,17 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     // items per sequence: 1 (whole pages, sequential reads) when there are enough sequences
     // to keep every thread busy, else one per KV head (batch 1 would otherwise use one core)
     const int64_t split = batch >= 4 * at::get_num_threads() ? 1 : kv_heads;
-    at::parallel_for(0, batch * split, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / split, part = item % split;
+    // longest sequences first, each thread claiming the next item when it is done: a static
+    // split of the range left the thread with the longer sequences finishing last
+    const int64_t items = batch * split;
+    std::vector<int64_t> order(batch);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t item = next++; item < items; item = next++) {
+        const int64_t b = order[item / split], part = item % split;
         const int64_t h0 = part * kv_heads / split, h1 = (part + 1) * kv_heads / split;
         one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, table_ptr + b * table_stride, len_ptr[b],
             block_size, kv_heads, head_dim, group, h0, h1, static_cast<float>(scale),
