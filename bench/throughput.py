@@ -33,7 +33,7 @@ def measure_matmul_gflops(size: int = 2048, repeats: int = 5) -> dict[str, float
     """fp32 rate of a size^3 matmul through torch's default BLAS (`a @ b^T`) and through the
     engine's own `linear` (oneDNN on the CPU). The ceiling is the faster of the two, so the
     engine's fraction of it is never flattered by a slow library."""
-    from engine.models.decoder import linear
+    from engine.models.linear import linear
     a, b = torch.randn(size, size), torch.randn(size, size)
     with torch.inference_mode():  # as in the engine: linear takes oneDNN only without autograd
         return {"torch_mm": _gflops(lambda x, w: x @ w.t(), a, b, repeats),

@@ -39,6 +39,9 @@ class AttentionBackend:
     name = "base"
     # a store that torch.compile may trace instead of calling the op, or None
     store_kv_traced = None
+    # a decode the graph may call directly instead of the Python op (same signature as
+    # decode, less max_seq_len), or None
+    decode_traced = None
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         raise NotImplementedError
@@ -50,6 +53,10 @@ class AttentionBackend:
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                 max_q_len: int, scale: float) -> torch.Tensor:
         raise NotImplementedError
+
+    def _call_decode_traced(self, q, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
+                            scale):
+        return self.decode_traced(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -63,7 +70,8 @@ class AttentionBackend:
             ops, name = torch.ops.tritonserve, self.name
             store = (self.store_kv_traced if self.store_kv_traced is not None
                      else functools.partial(ops.store_kv, backend=name))
-            decode = functools.partial(ops.decode_attention, backend=name)
+            decode = (functools.partial(ops.decode_attention, backend=name)
+                      if self.decode_traced is None else self._call_decode_traced)
             prefill = functools.partial(ops.prefill_attention, backend=name)
         else:
             store, decode, prefill = self.store_kv, self.decode, self.prefill
@@ -108,6 +116,10 @@ class TorchAttention(AttentionBackend):
 
     def __init__(self, device: torch.device) -> None:
         self.cpu_decode = cpu_ops.paged_decode_attention() if device.type == "cpu" else None
+        # compiled: the graph calls the C++ op itself (a registered op with a fake), not the
+        # Python tritonserve::decode_attention around it: 83 instead of 147 us a call
+        # (batch 1, SmolLM2), 2 ms of a 44 ms step
+        self.decode_traced = self.cpu_decode
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         reference.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)

@@ -43,9 +43,9 @@ class ModelRunner:
         self.model = build_model(arch, folder, config.torch_dtype, self.device, max_positions,
                                  dummy=config.load_format == "dummy", seed=config.seed)
         self.decode_mode = config.resolved_decode_mode
-        # Inductor traces plain weights (oneDNN-packed ones are opaque to it)
-        if self.device.type == "cpu" and not self.decode_mode.startswith("compile"):
-            self.model.prepack_weights(batch_hint=config.scheduler.max_num_seqs)
+        if self.device.type == "cpu":  # a compiled graph can call the panels, not oneDNN's
+            self.model.prepack_weights(batch_hint=config.scheduler.max_num_seqs,
+                                       traceable=self.decode_mode.startswith("compile"))
         self.backend = make_attention_backend(config.use_triton("attention"), self.device)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -25,7 +25,7 @@ from .cache import cache_root
 
 log = logging.getLogger("kernels")
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_decode.cpp", "fused_ops.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_decode.cpp", "fused_ops.cpp", "linear.cpp")]
 # -O3 with -march=native lets the compiler vectorise the head_dim loops for this CPU (AVX2 /
 # AVX-512); the cache directory is per machine, so the native build is never shared.
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it (2x slower on 2 cores); the
@@ -95,6 +95,14 @@ def _register_fake() -> None:
     def _(x):
         return x.new_empty(x.shape[0], x.shape[1] // 2)
 
+    @torch.library.register_fake("tritonserve::pack_linear_weight")
+    def _(weight):
+        return weight.new_empty(-(-weight.shape[0] // 16), weight.shape[1], 16)
+
+    @torch.library.register_fake("tritonserve::packed_linear")
+    def _(x, panels, n, bias):
+        return x.new_empty(x.shape[0], n)
+
 
 def paged_decode_attention():
     """torch.ops.tritonserve.paged_decode_attention(q, k_cache, v_cache, block_tables,
@@ -111,6 +119,16 @@ def fused_ops():
     if not load():
         return None
     return torch.ops.tritonserve.add_rms_norm, torch.ops.tritonserve.silu_and_mul
+
+
+@functools.cache
+def packed_linear():
+    """(pack_linear_weight, packed_linear) from kernels/cpu/linear.cpp: weight [N, K] fp32 ->
+    panels; (x [M, K], panels, N, bias or None) -> x @ weight^T + bias. None when the library
+    is unavailable."""
+    if not load():
+        return None
+    return torch.ops.tritonserve.pack_linear_weight, torch.ops.tritonserve.packed_linear
 
 
 def main() -> int:

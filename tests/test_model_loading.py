@@ -117,26 +117,33 @@ def test_bench_kernels_runs_on_cpu():
 
 
 @pytest.mark.parametrize("dtype,tolerance,packed", [
-    (torch.float32, 1e-4, False), (torch.float32, 1e-4, True),
-    (torch.bfloat16, 3e-2, False), (torch.bfloat16, 3e-2, True),
-    (torch.float16, 3e-3, False),  # no oneDNN inner product for fp16: F.linear
+    (torch.float32, 1e-4, None), (torch.float32, 1e-4, "onednn"),
+    (torch.float32, 1e-4, "panels"),
+    (torch.bfloat16, 3e-2, None), (torch.bfloat16, 3e-2, "onednn"),
+    (torch.float16, 3e-3, None),  # no oneDNN inner product for fp16: F.linear
 ])
-@pytest.mark.parametrize("rows", [0, 1, 37])
+@pytest.mark.parametrize("rows", [0, 1, 2, 7, 37, 300])
 def test_linear_matches_float64(dtype, tolerance, packed, rows):
-    """decoder.linear (oneDNN on the CPU for fp32/bf16, plain or prepacked weights; F.linear
-    otherwise) against float64."""
-    from engine.models.decoder import can_prepack, linear, prepack_weight
+    """linear (C++ panels for fp32, oneDNN on the CPU for fp32/bf16, plain or prepacked
+    weights; F.linear otherwise) against float64. N = 165 leaves a partial last panel, K = 301
+    a k-chunk of 256 plus a remainder; 7 and 37 rows cover full and partial 6-row tiles, 300
+    the unpacked oneDNN path (PANEL_MAX_ROWS)."""
+    from engine.models.linear import (can_pack_panels, can_prepack, linear, pack_panels,
+                                      prepack_weight)
     generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 96, generator=generator).to(dtype)
-    weight = torch.randn(160, 96, generator=generator).to(dtype) / 10
-    bias = torch.randn(160, generator=generator).to(dtype)
-    if packed and not can_prepack(weight):
+    x = torch.randn(rows, 301, generator=generator).to(dtype)
+    weight = torch.randn(165, 301, generator=generator).to(dtype) / 10
+    bias = torch.randn(165, generator=generator).to(dtype)
+    if packed == "onednn" and not can_prepack(weight):
         pytest.skip("oneDNN cannot prepack this dtype on this CPU")
-    used = prepack_weight(weight, 64) if packed else weight
+    if packed == "panels" and not can_pack_panels(weight):
+        pytest.skip("the C++ CPU ops are unavailable")
+    used = {None: weight, "onednn": prepack_weight(weight, 64) if packed else weight,
+            "panels": pack_panels(weight) if packed == "panels" else weight}[packed]
     for b in (None, bias):
         with torch.inference_mode():
-            out = linear(x, used, b)
-        assert out.shape == (rows, 160) and out.dtype == dtype
+            out = linear(x, used, b, out_features=165)
+        assert out.shape == (rows, 165) and out.dtype == dtype
         expected = x.double() @ weight.double().t() + (0 if b is None else b.double())
         if rows:
             error = (out.double() - expected).abs().max().item()
@@ -155,7 +162,7 @@ def test_bfloat16_engine_tracks_float32(tiny_model):
 
 
 def test_linear_keeps_gradients_right_outside_inference_mode():
-    from engine.models.decoder import linear
+    from engine.models.linear import linear
     weight = torch.randn(8, 4, requires_grad=True)
     x = torch.randn(3, 4)
     linear(x, weight).sum().backward()
@@ -163,20 +170,37 @@ def test_linear_keeps_gradients_right_outside_inference_mode():
 
 
 def test_prepacked_weights_refuse_inputs_that_need_gradients():
-    from engine.models.decoder import can_prepack, linear, prepack_weight
+    from engine.models.linear import linear, pack_weight
     weight = torch.randn(8, 4)
-    if not can_prepack(weight):
-        pytest.skip("no oneDNN prepacking here")
+    packed = pack_weight(weight, 8)
+    if packed is None:
+        pytest.skip("no packed CPU weights here")
     with pytest.raises(RuntimeError, match="inference only"):
-        linear(torch.randn(3, 4, requires_grad=True), prepack_weight(weight, 8))
+        linear(torch.randn(3, 4, requires_grad=True), packed, out_features=8)
+
+
+def test_panel_weights_need_out_features():
+    from engine.models.linear import can_pack_panels, linear, pack_panels
+    weight = torch.randn(20, 4)
+    if not can_pack_panels(weight):
+        pytest.skip("the C++ CPU ops are unavailable")
+    with torch.inference_mode(), pytest.raises(ValueError, match="out_features"):
+        linear(torch.randn(3, 4), pack_panels(weight))
 
 
 def test_cpu_engine_runs_on_prepacked_weights(tiny_model):
-    """The fast path is the one the parity tests exercise: every projection is prepacked."""
-    from engine.models.decoder import Linear, can_prepack
+    """The fast path is the one the parity tests exercise: every projection is packed (C++
+    panels for fp32 when the library is built, else oneDNN's layout)."""
+    from engine.models.linear import Linear, can_pack_panels, can_prepack
     model = LLM(tiny_model).engine.runner.model
-    if not can_prepack(model.embed_tokens.weight):
-        pytest.skip("no oneDNN prepacking here")
+    plain = model.embed_tokens.weight
+    if can_pack_panels(plain):
+        is_packed = lambda w: w.dim() == 3  # noqa: E731
+    elif can_prepack(plain):
+        is_packed = lambda w: w.is_mkldnn  # noqa: E731
+    else:
+        pytest.skip("no packed CPU weights here")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.weight.is_mkldnn for m in linears)
+    assert linears and all(is_packed(m.weight) for m in linears)
+    assert model.packed_tied_lm_head is None or is_packed(model.packed_tied_lm_head)
     assert model.packed_tied_lm_head is not None or not model.arch.tie_word_embeddings

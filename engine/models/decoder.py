@@ -6,7 +6,6 @@ embeddings, rope scaling.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +16,8 @@ import kernels
 from kernels import cpu_ops
 
 from ..attention import AttentionBackend, AttentionMetadata
-from ..dtype import cpu_has_native_bf16
 from .arch import ModelArch, rope_inv_freq
+from .linear import Linear, linear, pack_weight
 
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim] for a step's positions
@@ -29,58 +28,6 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k_cache, v_cache
     backend: AttentionBackend
-
-
-@functools.cache
-def _onednn_linear_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-@functools.cache
-def _onednn_dtypes() -> tuple[torch.dtype, ...]:
-    """fp32 always; bf16 only where oneDNN's bf16 kernels run (AVX-512 BW/VL/DQ or
-    AVX-NE-CONVERT): on an AVX2-only CPU its bf16 reorder raises, so bf16 stays on F.linear."""
-    return (torch.float32, torch.bfloat16) if cpu_has_native_bf16() else (torch.float32,)
-
-
-def can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in _onednn_dtypes()
-            and _onednn_linear_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def prepack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
-    """weight [N, K] -> the same weight in oneDNN's blocked layout, chosen for batches of about
-    `batch_hint` rows. A plain weight is reordered inside every call; prepacked, a batch-64
-    SmolLM2 decode step took 92-94 ms instead of 100 (the lm_head: 8.9 ms instead of 13.4)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N].
-
-    On the CPU this calls oneDNN's inner product directly instead of F.linear (MKL sgemm):
-    measured on this AMD EPYC (AVX-512) at 2.1-2.8x the MKL rate, 442 vs 204 GFLOP/s at
-    2048^3 and 315 vs 114 GFLOP/s for the decode-batch lm_head (M=64). fp16 has no oneDNN
-    inner product here and stays on F.linear. The oneDNN op has no backward, so a plain
-    weight takes it only where autograd is off (the engine runs under inference_mode), and a
-    prepacked weight (`prepack_weight`) refuses an input that needs a gradient."""
-    if torch.compiler.is_compiling():  # Inductor picks (and with freezing, prepacks) its GEMM
-        return F.linear(x, weight, bias)
-    if weight.is_mkldnn:
-        if torch.is_grad_enabled() and x.requires_grad:
-            raise RuntimeError("prepacked CPU weights are for inference only")
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if (x.device.type == "cpu" and x.dtype in _onednn_dtypes() and not torch.is_grad_enabled()
-            and _onednn_linear_available()):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-class Linear(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -233,16 +180,17 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_tied_lm_head: torch.Tensor | None = None  # set by prepack_weights
 
-    def prepack_weights(self, batch_hint: int) -> None:
-        """CPU inference: every projection weight in oneDNN's blocked layout, in place of the
-        plain one (see `prepack_weight`). A tied lm_head gets a packed copy of the embedding
-        table, which stays plain for the lookup."""
+    def prepack_weights(self, batch_hint: int, traceable: bool = False) -> None:
+        """CPU inference: every projection weight in its packed form (`linear.pack_weight`:
+        C++ panels for fp32, oneDNN's blocked layout for bf16) in place of the plain one. A
+        tied lm_head gets a packed copy of the embedding table, which stays plain for the
+        lookup. traceable: only forms torch.compile traces (the panels)."""
         for module in self.modules():
-            if isinstance(module, Linear) and can_prepack(module.weight):
-                module.weight = nn.Parameter(prepack_weight(module.weight, batch_hint),
-                                             requires_grad=False)
-        if self.arch.tie_word_embeddings and can_prepack(self.embed_tokens.weight):
-            self.packed_tied_lm_head = prepack_weight(self.embed_tokens.weight, batch_hint)
+            if isinstance(module, Linear):
+                module.pack(batch_hint, traceable)
+        if self.arch.tie_word_embeddings:
+            self.packed_tied_lm_head = pack_weight(self.embed_tokens.weight, batch_hint,
+                                                   traceable)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -259,5 +207,5 @@ class DecoderForCausalLM(nn.Module):
         if not self.arch.tie_word_embeddings:
             return self.lm_head(hidden)
         if self.packed_tied_lm_head is not None:
-            return linear(hidden, self.packed_tied_lm_head)
+            return linear(hidden, self.packed_tied_lm_head, out_features=self.arch.vocab_size)
         return linear(hidden, self.embed_tokens.weight)
