@@ -18,7 +18,7 @@ from kernels import cpu_ops, reference
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, block * block_size + offset
-    num_decode_tokens: int
+    num_decode_tokens: int | None  # None: every token (a dynamic compiled decode graph)
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
     decode_seq_lens: torch.Tensor  # [num_decodes] int32, context length including the new token
     decode_max_seq_len: int  # known on the host: the kernels need no device read-back
@@ -76,7 +76,7 @@ class AttentionBackend:
         else:
             store, decode, prefill = self.store_kv, self.decode, self.prefill
         store(k, v, k_cache, v_cache, meta.slot_mapping)
-        nd = meta.num_decode_tokens
+        nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
         outputs = []
         if nd:
             outputs.append(decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,

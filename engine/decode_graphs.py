@@ -6,13 +6,17 @@ attend to that one slot, so they never touch a request's cache.
 Modes (EngineConfig.decode_mode):
 - static: the model's forward on the static buffers, op by op. The CUDA-graph path minus the
   capture: what the CPU tests run to check bucketing and padding.
-- compile: torch.compile (Inductor, fullgraph) of the forward, one graph per bucket, compiled
-  at start-up; the attention goes through the tritonserve ops (engine/attention.py).
+- compile: torch.compile (Inductor, fullgraph) of the forward, compiled at start-up, the
+  attention and the matmuls through the tritonserve ops (engine/attention.py, models/linear.py).
+  Nothing is captured, so nothing needs padding: two graphs, one for a single sequence and one
+  whose batch size is dynamic (2..largest bucket), and every step runs at its own size. Per
+  bucket (the graphs' former layout) eleven SmolLM2 buckets took ~11 s each from a warm cache
+  and a step of 17 rows paid for 24.
 - cudagraph / compile+cudagraph: each bucket captured into a CUDA graph at start-up (after a
   warm-up run that compiles and autotunes the Triton kernels) and replayed every step.
 
-Contract: `run(model_input)` takes a decode-only ModelInput of at most `max_batch` rows and
-returns hidden states [n, hidden] that stay valid until the next run.
+Contract: `run(input_ids, positions, meta)` takes a decode-only step of at most `max_batch` rows
+and returns hidden states [n, hidden] that stay valid until the next run.
 """
 from __future__ import annotations
 
@@ -61,7 +65,10 @@ class DecodeGraphs:
             raise ValueError(f"decode_mode must be one of {MODES}, got {mode!r}")
         device = kv_caches[0][0].device  # EngineConfig checked that cudagraph modes have CUDA
         self.mode = mode
+        self.dynamic = mode == "compile"
         self.sizes = sorted(set(sizes))
+        if self.dynamic:  # a graph for 1 (dynamo specialises size 1 anyway), one for the rest
+            self.sizes = sorted({1, self.sizes[-1]})
         self.max_batch = self.sizes[-1]
         self.null_block = null_block
         self.null_slot = null_block * block_size
@@ -74,39 +81,55 @@ class DecodeGraphs:
         self.block_tables = torch.full((self.max_batch, width), null_block, dtype=i32,
                                        device=device)  # [B, max blocks a sequence]
         self.seq_lens = torch.ones(self.max_batch, dtype=i32, device=device)  # [B]
-        empty = torch.zeros(0, dtype=i32, device=device)
-        forward: Callable = model
+        self.empty = torch.zeros(0, dtype=i32, device=device)
+        self.max_model_len = max_model_len
+        self.kv_caches, self.backend = kv_caches, backend
+        self.forward: Callable = model
         if mode.startswith("compile"):
             use_compile_cache()
             _allow_recompiles(len(self.sizes))
             # No `freezing`: with it Inductor's GEMMs still ran as aten::mm / addmm on the test
             # CPU, and it bypasses the FX graph cache (a warm start of three SmolLM2 buckets
             # took 72 s with it; docs/benchmarks.md)
-            forward = torch.compile(model, fullgraph=True, dynamic=False)
+            # dynamic=None: the dims marked below are symbolic, all else static
+            self.forward = torch.compile(model, fullgraph=True,
+                                         dynamic=None if self.dynamic else False)
         self.runs: dict[int, Callable[[], torch.Tensor]] = {}
         start = time.perf_counter()
         pool = None
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
-            # max_seq_len is max_model_len: fixed, so the Triton decode's split count (a
-            # launch parameter) is the same at every replay; empty splits exit at once
-            meta = AttentionMetadata(
-                self.slot_mapping[:size], size, self.block_tables[:size], self.seq_lens[:size],
-                max_model_len, empty.view(0, 0), empty, torch.zeros(1, dtype=i32, device=device),
-                0)
-            ctx = ForwardContext(meta, kv_caches, backend)
-            ids, pos = self.input_ids[:size], self.positions[:size]
-            run = (lambda ids=ids, pos=pos, ctx=ctx: forward(ids, pos, ctx))
+            run = self._make_run(size)
             with torch.inference_mode():
                 run()  # compiles (Inductor, Triton, autotuning) outside any capture
                 if "cudagraph" in mode:
                     run, pool = _capture(run, device, pool)
             self.runs[size] = run
         self.build_seconds = time.perf_counter() - start
-        log.info("decode %s: %d batch buckets (1..%d) built in %.1f s", mode, len(self.sizes),
+        log.info("decode %s: %d graphs (batch 1..%d) built in %.1f s", mode, len(self.sizes),
                  self.max_batch, self.build_seconds)
 
+    def _make_run(self, size: int) -> Callable[[], torch.Tensor]:
+        """The forward over the first `size` rows of the static buffers. num_decode_tokens is
+        None ("every row") in the dynamic graph, so the row count stays symbolic; max_seq_len
+        is max_model_len: fixed, so the Triton decode's split count (a launch parameter) is
+        the same at every replay; empty splits exit at once."""
+        ids, pos, slots, tables, lens = (
+            self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
+            self.block_tables[:size], self.seq_lens[:size])
+        if self.dynamic and size > 1:  # the batch dim symbolic (dynamo specialises 1)
+            for t in (ids, pos, slots, tables, lens):
+                torch._dynamo.mark_dynamic(t, 0)
+        empty = self.empty
+        meta = AttentionMetadata(slots, None if self.dynamic else size, tables, lens,
+                                 self.max_model_len, empty.view(0, 0), empty,
+                                 torch.zeros(1, dtype=empty.dtype, device=empty.device), 0)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        forward = self.forward
+        return lambda: forward(ids, pos, ctx)
+
     def bucket(self, n: int) -> int:
-        return next(s for s in self.sizes if s >= n)
+        """The rows a step of n runs: n itself in the dynamic graph, else the next bucket."""
+        return n if self.dynamic else next(s for s in self.sizes if s >= n)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
@@ -123,7 +146,10 @@ class DecodeGraphs:
             self.slot_mapping[n:size].fill_(self.null_slot)
             self.block_tables[n:size, 0].fill_(self.null_block)
             self.seq_lens[n:size].fill_(1)
-        return self.runs[size]()[:n]
+        run = self.runs.get(size)
+        if run is None:  # the dynamic graph at a new size: no compile, a new closure
+            run = self.runs[size] = self._make_run(size)
+        return run()[:n]
 
 
 def _allow_recompiles(count: int) -> None:

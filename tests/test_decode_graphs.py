@@ -136,15 +136,21 @@ def test_decode_mode_choices_and_enforce_eager(tiny_model):
 @pytest.mark.slow
 @pytest.mark.skipif(cpu_ops.paged_decode_attention() is None, reason="no C++ toolchain")
 def test_compiled_decode_matches_transformers(tiny_model):
-    """Inductor compiles each bucket's forward (fullgraph: the attention, KV write and the
-    C++ decode are the tritonserve ops); fp32 greedy stays token-identical."""
+    """Inductor compiles the forward (fullgraph: the attention, KV write, C++ decode and the
+    panel matmuls are tritonserve ops) into two graphs, batch 1 and a dynamic batch 2..4:
+    steps of 3 rows run at 3 with no padding and no further compile; fp32 greedy stays
+    token-identical."""
+    from torch._dynamo.utils import counters
+    graphs_before = counters["stats"]["unique_graphs"]
     llm = LLM(tiny_model, decode_mode="compile", max_num_seqs=4)
     graphs = llm.engine.runner.graphs
-    assert graphs.sizes == [1, 2, 4] and graphs.build_seconds > 0
+    assert graphs.sizes == [1, 4] and graphs.build_seconds > 0
     calls = count_graph_runs(llm)
     prompts = mixed_prompts(llm.tokenizer, count=7, seed=4)  # 4 at a time, then 3
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
-    assert any(n not in graphs.sizes for n in calls)  # a padded bucket ran compiled
+    assert any(n not in graphs.sizes for n in calls)  # a size between the graphs ran compiled
+    assert all(graphs.bucket(n) == n for n in calls)  # at its own size: no padding rows
+    assert counters["stats"]["unique_graphs"] - graphs_before == 2  # no recompile mid-run
     assert_parity([o.token_ids for o in outs],
                   hf_greedy(tiny_model, prompts, 12, set(llm.engine.eos_token_ids)))
 
