@@ -1,5 +1,5 @@
 """python -m bench {throughput,profile,kernels,serve,conformance,grammar,loading,
-    engine-check,compile-probe,cpu-decode} ..."""
+    engine-check,compile-probe,cpu-decode,cpu-linear} ..."""
 from __future__ import annotations
 
 import importlib
@@ -16,6 +16,7 @@ COMMANDS = {
     "engine-check": "bench.engine_check",
     "compile-probe": "bench.compile_probe",
     "cpu-decode": "bench.cpu_decode",
+    "cpu-linear": "bench.cpu_linear",
 }
 
 

@@ -124,3 +124,16 @@ def test_cpu_decode_bench_runs(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [int(r[0]) for r in rows] == [1, 3]
     assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows)
+
+
+def test_cpu_linear_bench_runs(capsys):
+    """`python -m bench cpu-linear` on tiny shapes: a row per M with every available form timed
+    (the C++ panels here, oneDNN where it is built in)."""
+    from bench import cpu_linear
+    assert cpu_linear.main(["--rows", "1,3", "--layers", "1", "--hidden", "32",
+                            "--intermediate", "48", "--heads", "2", "--kv-heads", "1",
+                            "--head-dim", "16", "--vocab", "100", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith("M=")]
+    assert [r.split(":")[0] for r in rows] == ["M=1", "M=3"]
+    assert all("panels (C++)" in r and "GFLOP/s" in r for r in rows)
