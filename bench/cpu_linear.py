@@ -1,6 +1,5 @@
 """python -m bench cpu-linear: a decoder's matmuls alone on the CPU, weights cold, in each form
-engine/models/linear.py can hold them: C++ column panels, oneDNN-prepacked, and (from
-PANEL_MAX_ROWS rows) the panels unpacked into oneDNN.
+engine/models/linear.py can hold them: C++ column panels and oneDNN-prepacked.
 
 SmolLM2-135M's shapes by default: 30 layers of qkv (960 x 576), o (576 x 576), gate/up
 (3072 x 576) and down (576 x 1536), plus the tied lm_head (49152 x 576): 538 MB of fp32, read
@@ -39,7 +38,7 @@ def _pass_seconds(weights, forms, rows: int, repeats: int) -> float:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench cpu-linear")
-    ap.add_argument("--rows", default="1,4,16,64,256", help="batch rows M, comma-separated")
+    ap.add_argument("--rows", default="1,4,16,64,256,2048", help="batch rows M, comma-separated")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--intermediate", type=int, default=1536)
@@ -64,8 +63,7 @@ def main(argv: list[str]) -> int:
     read = read_gbps()
     print(f"weights {nbytes / 1e6:.0f} MB fp32; read bandwidth (this run) {read:.1f} GB/s, so "
           f"a pass reads them in >= {nbytes / read / 1e6:.1f} ms; threads "
-          f"{torch.get_num_threads()}; panels hand over to oneDNN from "
-          f"{lin.PANEL_MAX_ROWS} rows")
+          f"{torch.get_num_threads()}")
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
             cells = []

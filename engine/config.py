@@ -11,10 +11,15 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 DTYPE_CHOICES = ("auto", *_DTYPES)  # auto: the model's dtype where the device runs it (dtype.py)
 
 # How a decode-only step runs (engine/decode_graphs.py). eager: op by op, no static buffers.
-# auto: cudagraph on CUDA with the triton attention; eager otherwise. On the CPU compiling
-# measured no faster from batch 16 on and costs ~70 s a bucket (docs/benchmarks.md,
-# "Compiled decode step").
+# auto: cudagraph on CUDA with the triton attention; CPU_DECODE_MODE on the CPU in float32 with
+# the torch attention; eager otherwise.
 DECODE_MODES = ("auto", "eager", "static", "compile", "cudagraph", "compile+cudagraph")
+
+# SmolLM2 fp32 on a 2-core AVX2 EPYC, compiled vs eager: 40 vs 46 ms a step at batch 1, 116 vs
+# 125 at 16, 306 vs 370 at 64; served side by side, 1.1-1.35x eager's tok/s (docs/benchmarks.md,
+# sixth session), for ~90 s of compiling at the first start and ~26 s from the cache. bf16 stays
+# eager: compiled, its weights could not be prepacked for oneDNN, and no bf16 CPU measured it.
+CPU_DECODE_MODE = "compile"
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -110,10 +115,15 @@ class EngineConfig:
 
     @property
     def resolved_decode_mode(self) -> str:
+        """What decode_mode "auto" runs; read once dtype is resolved (LLMEngine does that)."""
         if self.decode_mode != "auto":
             return self.decode_mode
-        graphs = torch.device(self.device).type == "cuda" and self.use_triton("attention")
-        return "cudagraph" if graphs else "eager"
+        device = torch.device(self.device).type
+        if device == "cuda" and self.use_triton("attention"):
+            return "cudagraph"
+        if device == "cpu" and self.dtype == "float32" and not self.use_triton("attention"):
+            return CPU_DECODE_MODE
+        return "eager"
 
     def use_triton(self, which: str) -> bool:
         """Triton on CUDA, torch on the CPU, unless forced."""

@@ -100,7 +100,12 @@ class DecodeGraphs:
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
             run = self._make_run(size)
             with torch.inference_mode():
-                run()  # compiles (Inductor, Triton, autotuning) outside any capture
+                try:
+                    run()  # compiles (Inductor, Triton, autotuning) outside any capture
+                except Exception as e:
+                    raise RuntimeError(f"decode_mode {mode!r} could not build its batch-{size} "
+                                       f"graph ({type(e).__name__}); --enforce-eager runs the "
+                                       f"step op by op") from e
                 if "cudagraph" in mode:
                     run, pool = _capture(run, device, pool)
             self.runs[size] = run
@@ -119,6 +124,12 @@ class DecodeGraphs:
         if self.dynamic and size > 1:  # the batch dim symbolic (dynamo specialises 1)
             for t in (ids, pos, slots, tables, lens):
                 torch._dynamo.mark_dynamic(t, 0)
+        if self.dynamic:  # the cache size and the table width too: another engine in this
+            # process with the same model but another cache or max_model_len reuses the graphs
+            torch._dynamo.maybe_mark_dynamic(tables, 1)
+            for cache in self.kv_caches:
+                for t in cache:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
         empty = self.empty
         meta = AttentionMetadata(slots, None if self.dynamic else size, tables, lens,
                                  self.max_model_len, empty.view(0, 0), empty,
@@ -153,11 +164,13 @@ class DecodeGraphs:
 
 
 def _allow_recompiles(count: int) -> None:
-    """One graph per bucket: dynamo's per-function recompile limit (8) would otherwise fall
-    back to eager after the eighth bucket."""
+    """One graph per bucket, and the graphs of every engine in this process share the model
+    forward's code object: dynamo's recompile limit (8 per code object; fullgraph makes passing
+    it an error) would stop the third engine of another model shape in one process (the tests
+    build many)."""
     import torch._dynamo.config as dynamo
     name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
-    setattr(dynamo, name, max(getattr(dynamo, name), count + 1))
+    setattr(dynamo, name, max(getattr(dynamo, name), 64, count + 1))
 
 
 def _capture(run: Callable[[], torch.Tensor], device: torch.device, pool):

@@ -15,6 +15,7 @@ from engine.models.loader import build_model
 from kernels import cpu_ops
 from tests.parity import assert_parity, hf_greedy
 from tests.test_engine_parity import mixed_prompts, run_and_compare
+from tests.tiny_models import write_tiny_model
 
 
 def test_bucket_sizes():
@@ -101,12 +102,16 @@ def test_padding_rows_write_only_the_null_block(tiny_model):
     torch.testing.assert_close(hidden, direct)
 
 
-def test_decode_mode_choices_and_enforce_eager(tiny_model):
+def test_decode_mode_choices_and_enforce_eager(tiny_model, shipped_defaults):
     from server.__main__ import parse_args
     assert parse_args([]).decode_mode == EngineConfig.decode_mode == "auto"
     assert parse_args(["--enforce-eager"]).decode_mode == "eager"
     assert parse_args(["--decode-mode", "static"]).decode_mode == "static"
-    assert EngineConfig().resolved_decode_mode == "eager"  # the CPU default (measured)
+    # the CPU default (measured): compiled in fp32, eager in bf16 or with the triton kernels
+    assert EngineConfig(dtype="float32").resolved_decode_mode == "compile"
+    assert EngineConfig(dtype="bfloat16").resolved_decode_mode == "eager"
+    assert EngineConfig(dtype="float32", attention_backend="triton").resolved_decode_mode \
+        == "eager"
     assert EngineConfig(device="cuda").resolved_decode_mode == "cudagraph"
     with pytest.raises(ValueError, match="decode_mode"):
         EngineConfig(decode_mode="cudagraph")  # needs CUDA
@@ -117,7 +122,6 @@ def test_decode_mode_choices_and_enforce_eager(tiny_model):
         EngineConfig(decode_buckets=(1, 65))  # past max_num_seqs 64
     with pytest.raises(SystemExit):
         parse_args(["--decode-buckets", "1,x"])
-    assert LLM(tiny_model, max_num_seqs=4).engine.runner.graphs is None
     assert LLM(tiny_model, decode_mode="eager").engine.runner.graphs is None
     llm = LLM(tiny_model, decode_mode="static", decode_buckets=(2, 6), max_num_seqs=8)
     assert llm.engine.runner.graphs.sizes == [2, 6]
@@ -135,24 +139,34 @@ def test_decode_mode_choices_and_enforce_eager(tiny_model):
 
 @pytest.mark.slow
 @pytest.mark.skipif(cpu_ops.paged_decode_attention() is None, reason="no C++ toolchain")
-def test_compiled_decode_matches_transformers(tiny_model):
-    """Inductor compiles the forward (fullgraph: the attention, KV write, C++ decode and the
-    panel matmuls are tritonserve ops) into two graphs, batch 1 and a dynamic batch 2..4:
-    steps of 3 rows run at 3 with no padding and no further compile; fp32 greedy stays
-    token-identical."""
+def test_compiled_decode_matches_transformers(tiny_model, shipped_defaults, tmp_path):
+    """The CPU default in fp32: Inductor compiles the forward (fullgraph: the attention, KV
+    write, C++ decode and the panel matmuls are tritonserve ops) into two graphs, batch 1 and a
+    dynamic batch 2..4: steps of 3 rows run at 3 with no padding and no further compile; fp32
+    greedy stays token-identical. A second engine of the same shapes, other weights, reuses the
+    graphs (dynamo lifts the weights and caches to graph inputs) and matches its own model."""
     from torch._dynamo.utils import counters
     graphs_before = counters["stats"]["unique_graphs"]
-    llm = LLM(tiny_model, decode_mode="compile", max_num_seqs=4)
+    llm = LLM(tiny_model, dtype="float32", max_num_seqs=4)
     graphs = llm.engine.runner.graphs
-    assert graphs.sizes == [1, 4] and graphs.build_seconds > 0
+    assert graphs.mode == "compile" and graphs.sizes == [1, 4] and graphs.build_seconds > 0
+    compiled = counters["stats"]["unique_graphs"] - graphs_before
+    assert compiled in (0, 2)  # 0: an earlier test compiled these shapes in this process
     calls = count_graph_runs(llm)
     prompts = mixed_prompts(llm.tokenizer, count=7, seed=4)  # 4 at a time, then 3
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
     assert any(n not in graphs.sizes for n in calls)  # a size between the graphs ran compiled
     assert all(graphs.bucket(n) == n for n in calls)  # at its own size: no padding rows
-    assert counters["stats"]["unique_graphs"] - graphs_before == 2  # no recompile mid-run
+    assert counters["stats"]["unique_graphs"] - graphs_before == compiled  # no recompile
     assert_parity([o.token_ids for o in outs],
                   hf_greedy(tiny_model, prompts, 12, set(llm.engine.eos_token_ids)))
+    other = str(write_tiny_model(tmp_path / "other", seed=1))
+    again = LLM(other, dtype="float32", max_num_seqs=4)
+    assert counters["stats"]["unique_graphs"] - graphs_before == compiled
+    other_outs = again.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    assert [o.token_ids for o in other_outs] != [o.token_ids for o in outs]
+    assert_parity([o.token_ids for o in other_outs],
+                  hf_greedy(other, prompts, 12, set(again.engine.eos_token_ids)))
 
 
 def test_cudagraph_decode_matches_eager(tiny_model, device):

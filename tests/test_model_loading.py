@@ -127,7 +127,7 @@ def test_linear_matches_float64(dtype, tolerance, packed, rows):
     """linear (C++ panels for fp32, oneDNN on the CPU for fp32/bf16, plain or prepacked
     weights; F.linear otherwise) against float64. N = 165 leaves a partial last panel, K = 301
     a k-chunk of 256 plus a remainder; 7 and 37 rows cover full and partial 6-row tiles, 300
-    the unpacked oneDNN path (PANEL_MAX_ROWS)."""
+    two of the panels' row blocks (216 + 84 rows of 301 floats: 256 KB blocks)."""
     from engine.models.linear import (can_pack_panels, can_prepack, linear, pack_panels,
                                       prepack_weight)
     generator = torch.Generator().manual_seed(rows)

@@ -27,18 +27,22 @@ sys.exit(main.main(sys.argv[1:]))
 """
 
 
-def start_server(model: str, *extra: str, program: tuple[str, ...] = ("-m", "server")
-                 ) -> tuple[subprocess.Popen, int]:
+def start_server(model: str, *extra: str, program: tuple[str, ...] = ("-m", "server"),
+                 eager: bool = True) -> tuple[subprocess.Popen, int]:
+    """eager: with --enforce-eager (the shipped CPU default compiles the decode step first)"""
     port = free_port()
+    extra = ("--enforce-eager", *extra) if eager else extra
     proc = subprocess.Popen([sys.executable, *program, "--model", model, "--port",
                              str(port), *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.time() + 120
+    proc.startup_log = []  # the lines before READY
     while time.time() < deadline:
         line = proc.stdout.readline()
         if line.startswith("READY"):
             return proc, port
+        proc.startup_log.append(line)
         if proc.poll() is not None:
             break
     proc.kill()
@@ -79,7 +83,10 @@ def test_sigterm_ends_streams_still_running_after_the_grace_period(tiny_model):
 
 @pytest.mark.slow
 def test_sigterm_grace_period_lets_streams_complete(tiny_model):
-    proc, port = start_server(tiny_model, "--grace-period", "20")
+    """On the shipped defaults: the decode step compiled at start-up."""
+    proc, port = start_server(tiny_model, "--grace-period", "20", eager=False)
+    assert any("decode compile: 2 graphs" in line for line in proc.startup_log), \
+        proc.startup_log
     try:
         import threading
         results = {}

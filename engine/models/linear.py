@@ -6,7 +6,9 @@ A CPU weight is used in one of three forms, chosen once at load (`pack_weight`):
 - otherwise plain [N, K] (fp16, CUDA, no oneDNN): F.linear.
 Measured on this AMD EPYC (AVX2, 2 threads), SmolLM2's 121 decode matmuls with cold weights:
 panels 28.5-29.5 ms at batch 1 (the machine's read bandwidth), oneDNN-prepacked 43-63 ms;
-batch 16 62-75 vs 78-94 ms; batch 64 171-180 vs 191-207 ms (docs/benchmarks.md).
+batch 16 62-75 vs 78-94 ms; batch 64 171-180 vs 191-207 ms. Prefill-sized batches (rows in
+L2-sized blocks): even with oneDNN-prepacked from 128 to 1024 rows, 15-25 % behind it at 2048,
+ahead of unpacking the panels for oneDNN at every size (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -58,17 +60,6 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return cpu_ops.packed_linear()[0](weight.detach().contiguous())
 
 
-# From this many rows (prefill chunks) a panel weight is unpacked for oneDNN's GEMM: SmolLM2's
-# 120 layer matmuls at M = 2048 took 4.1-5.0 s on the panels, 3.5 s unpacked into oneDNN, 3.2-3.5
-# s on oneDNN-prepacked weights; at M = 256 the panels and oneDNN ran even (458 vs 444 ms).
-PANEL_MAX_ROWS = 256
-
-
-def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """panels [ceil(N / 16), K, 16] -> the plain weight [N, K] (a copy)"""
-    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:out_features]
-
-
 def pack_weight(weight: torch.Tensor, batch_hint: int,
                 traceable: bool = False) -> torch.Tensor | None:
     """The fastest form `linear` reads for this CPU weight, or None to keep it plain.
@@ -100,9 +91,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.dim() == 3:
         if out_features is None:
             raise ValueError("linear: out_features is required with a panel-packed weight")
-        if x.shape[0] < PANEL_MAX_ROWS or not _onednn_linear_available():
-            return cpu_ops.packed_linear()[1](x.contiguous(), weight, out_features, bias)
-        weight = unpack_panels(weight, out_features)
+        return cpu_ops.packed_linear()[1](x.contiguous(), weight, out_features, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if (x.device.type == "cpu" and x.dtype in _onednn_dtypes() and not torch.is_grad_enabled()

@@ -5,11 +5,12 @@
 // front to back once, and the inner step is y[m, 16 cols] += x[m, k] * panel[k, 0:16] (a
 // broadcast and two 8-wide FMAs per row: no horizontal sums, any K). A tile of up to 6 rows
 // keeps 12 accumulators in registers; K is taken 256 at a time so the panel slice (16 KB)
-// stays in L1 while every row tile of the batch passes over it.
+// stays in L1 while every row tile of a block passes over it; rows come in blocks of ~256 KB
+// of x, each kept in L2 while it passes over all of the thread's panels.
 // Why not oneDNN: on this AMD EPYC (AVX2, 2 threads), SmolLM2's 121 decode matmuls, weights
 // cold (538 MB): oneDNN-prepacked 43-63 ms at M = 1 (8.6-12.5 GB/s of an 18 GB/s read),
 // these panels 28.5-29.5 ms (18.3-18.8 GB/s); M = 16: 78-94 vs 62-75 ms; M = 64: 191-207 vs
-// 171-180 ms; from M = 128 oneDNN leads by ~10 % (docs/benchmarks.md).
+// 171-180 ms; M = 128-1024 even; M = 2048 (prefill) 3.6-3.8 s vs 2.9-3.3 s (docs/benchmarks.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -23,6 +24,7 @@ typedef float v8 __attribute__((vector_size(32)));  // GCC/Clang vectors: AVX, N
 constexpr int64_t kPanel = 16;  // output columns per panel
 constexpr int64_t kChunk = 256;  // k per pass over a panel (16 x 256 x 4 B = 16 KB)
 constexpr int kRows = 6;  // rows per register tile: 12 accumulators + 2 panel loads
+constexpr int64_t kBlockBytes = 256 << 10;  // a block of x rows kept in L2 across the panels
 
 inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
@@ -138,13 +140,21 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& panels,
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  // Rows in blocks of about kBlockBytes of x: each block passes over all of this thread's
+  // panels while it stays in L2 (all M rows per panel re-read x from L3 for every panel:
+  // SmolLM2's prefill matmuls at M = 2048 ran 4.1-5.0 s unblocked vs oneDNN's 3.2-3.5 s).
+  const int64_t block = std::max<int64_t>(kRows, kBlockBytes / (K * 4) / kRows * kRows);
   at::parallel_for(0, panels.size(0), 4, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t col = p * kPanel, ncols = std::min(kPanel, N - col);
-      panel_product(xp, M, K, wp + p * K * kPanel, yp + col, N, ncols);
-      if (bias_ptr != nullptr)
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t c = 0; c < ncols; ++c) yp[m * N + col + c] += bias_ptr[col + c];
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+      const int64_t rows = std::min(block, M - m0);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t col = p * kPanel, ncols = std::min(kPanel, N - col);
+        float* out = yp + m0 * N + col;
+        panel_product(xp + m0 * K, rows, K, wp + p * K * kPanel, out, N, ncols);
+        if (bias_ptr != nullptr)
+          for (int64_t m = 0; m < rows; ++m)
+            for (int64_t c = 0; c < ncols; ++c) out[m * N + c] += bias_ptr[col + c];
+      }
     }
   });
   return y;
