@@ -75,6 +75,8 @@ class EngineStats:
     num_waiting: int = 0  # in the engine's queue (the inbox is counted by AsyncEngine)
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0  # of those, tokens whose KV blocks were found
 
 
 @dataclass(frozen=True)
@@ -294,8 +296,10 @@ class AsyncEngine:
         """On the engine thread, after admitting and after each step: one immutable
         snapshot, swapped in whole (the event loop reads it without a lock)."""
         engine = self.engine
+        prefix = engine.kv_cache.stats
         self.stats = EngineStats(engine.num_running, engine.num_waiting, engine.kv_cache.usage,
-                                 engine.scheduler.num_preemptions)
+                                 engine.scheduler.num_preemptions, prefix.queried_tokens,
+                                 prefix.hit_tokens)
 
     def _post(self, steps: list[GenerationStep], failure: StreamFailure | None,
               failed_ids: list[str]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily
 
 from engine import Completion
 
@@ -44,6 +45,7 @@ class Metrics:
               registry=r).set_function(lambda: async_engine.num_waiting)
         Gauge(f"{PREFIX}kv_cache_usage_perc", "KV blocks owned by live requests / total",
               registry=r).set_function(lambda: async_engine.stats.kv_cache_usage)
+        r.register(_EngineCounters(async_engine))
 
     def observe_completion(self, done: Completion) -> None:
         t = done.timing
@@ -61,3 +63,21 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCounters:
+    """Totals the engine keeps itself (read from its latest stats snapshot), as counters:
+    vLLM's prefix_cache_queries / prefix_cache_hits (tokens) and num_preemptions."""
+
+    def __init__(self, async_engine) -> None:
+        self.async_engine = async_engine
+
+    def collect(self):
+        stats = self.async_engine.stats
+        for name, doc, value in (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                 stats.prefix_cache_queries),
+                ("prefix_cache_hits", "Prompt tokens whose KV blocks the prefix cache held",
+                 stats.prefix_cache_hits),
+                ("num_preemptions", "Requests preempted for KV blocks", stats.num_preemptions)):
+            yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=value)

@@ -225,6 +225,16 @@ def test_health_models_and_metrics(server):
                  "tritonserve:prompt_tokens_total", "tritonserve:generation_tokens_total"):
         assert metric(server.port, name) >= 0
     assert metric(server.port, "tritonserve:generation_tokens_total") >= 3
+    # the same long prompt twice: the second finds its full blocks in the prefix cache
+    prompt = "paged attention keeps keys and values in blocks " * 6
+    before = {n: metric(server.port, f"tritonserve:prefix_cache_{n}_total")
+              for n in ("queries", "hits")}
+    for _ in range(2):
+        stream(server, {"prompt": prompt, "max_tokens": 1, "temperature": 0})
+    queries = metric(server.port, "tritonserve:prefix_cache_queries_total") - before["queries"]
+    hits = metric(server.port, "tritonserve:prefix_cache_hits_total") - before["hits"]
+    assert queries >= 2 * 32 and 32 <= hits < queries and hits % 16 == 0, (queries, hits)
+    assert metric(server.port, "tritonserve:num_preemptions_total") >= 0
 
 
 def test_overload_gets_503_at_once(tiny_model):
