@@ -17,7 +17,7 @@ DECODE_MODES = ("auto", "eager", "static", "compile", "cudagraph", "compile+cuda
 
 # SmolLM2 fp32 on a 2-core AVX2 EPYC, compiled vs eager: 40 vs 46 ms a step at batch 1, 116 vs
 # 125 at 16, 306 vs 370 at 64; served side by side, 1.1-1.35x eager's tok/s (docs/benchmarks.md,
-# sixth session), for ~90 s of compiling at the first start and ~26 s from the cache. bf16 stays
+# sixth session), for ~145 s of compiling at the first start and ~30 s from the cache. bf16 stays
 # eager: compiled, its weights could not be prepacked for oneDNN, and no bf16 CPU measured it.
 CPU_DECODE_MODE = "compile"
 

@@ -87,6 +87,11 @@ class DecodeGraphs:
         self.forward: Callable = model
         if mode.startswith("compile"):
             use_compile_cache()
+            if self.dynamic:  # the cache size symbolic: another engine of this model in the
+                # process (the graphs live on the forward's code object) reuses the graphs
+                for cache in kv_caches:
+                    for t in cache:
+                        torch._dynamo.maybe_mark_dynamic(t, 0)
             _allow_recompiles(len(self.sizes))
             # No `freezing`: with it Inductor's GEMMs still ran as aten::mm / addmm on the test
             # CPU, and it bypasses the FX graph cache (a warm start of three SmolLM2 buckets
@@ -124,12 +129,8 @@ class DecodeGraphs:
         if self.dynamic and size > 1:  # the batch dim symbolic (dynamo specialises 1)
             for t in (ids, pos, slots, tables, lens):
                 torch._dynamo.mark_dynamic(t, 0)
-        if self.dynamic:  # the cache size and the table width too: another engine in this
-            # process with the same model but another cache or max_model_len reuses the graphs
+        if self.dynamic:  # the table width too (another max_model_len reuses the graphs)
             torch._dynamo.maybe_mark_dynamic(tables, 1)
-            for cache in self.kv_caches:
-                for t in cache:
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
         empty = self.empty
         meta = AttentionMetadata(slots, None if self.dynamic else size, tables, lens,
                                  self.max_model_len, empty.view(0, 0), empty,

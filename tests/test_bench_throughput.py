@@ -27,7 +27,7 @@ def test_ceiling_measures_the_engine_linear_path(monkeypatch):
 def test_bench_profile_reports_prefill_decode_and_ops(tiny_model):
     proc = subprocess.run([sys.executable, "-m", "bench", "profile", "--model", tiny_model,
                            "--num-prompts", "4", "--input-range", "5:20", "--steps", "3",
-                           "--profile-steps", "2", "--rows", "5"],
+                           "--profile-steps", "2", "--rows", "5", "--decode-mode", "eager"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

@@ -99,7 +99,8 @@ def test_engine_cli_generates(tiny_model):
     import subprocess
     import sys
     proc = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", tiny_model,
-                           "--prompt", "Hello", "--max-tokens", "5"], capture_output=True,
+                           "--prompt", "Hello", "--max-tokens", "5", "--enforce-eager"],
+                          capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--- " in proc.stdout and "5 tokens" in proc.stdout
