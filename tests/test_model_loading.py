@@ -123,11 +123,12 @@ def test_bench_kernels_runs_on_cpu():
     (torch.bfloat16, 3e-2, None), (torch.bfloat16, 3e-2, "onednn"),
     (torch.float16, 3e-3, None),  # no oneDNN inner product for fp16: F.linear
 ])
-@pytest.mark.parametrize("rows", [0, 1, 2, 7, 37, 300])
+@pytest.mark.parametrize("rows", [0, 1, 2, 7, 16, 37, 300])
 def test_linear_matches_float64(dtype, tolerance, packed, rows):
     """linear (C++ panels for fp32, oneDNN on the CPU for fp32/bf16, plain or prepacked
     weights; F.linear otherwise) against float64. N = 165 leaves a partial last panel, K = 301
-    a k-chunk of 256 plus a remainder; 7 and 37 rows cover full and partial 6-row tiles, 300
+    a k-chunk of 256 plus a remainder; 7 and 37 rows cover full and partial 6-row tiles (2, 7
+    and 16 with the first tile prefetching the next chunk, past the last panel's end too), 300
     two of the panels' row blocks (216 + 84 rows of 301 floats: 256 KB blocks)."""
     from engine.models.linear import (can_pack_panels, can_prepack, linear, pack_panels,
                                       prepack_weight)
