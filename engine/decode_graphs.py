@@ -8,12 +8,13 @@ Modes (EngineConfig.decode_mode):
   capture: what the CPU tests run to check bucketing and padding.
 - compile: torch.compile (Inductor, fullgraph) of the forward, compiled at start-up, the
   attention and the matmuls through the tritonserve ops (engine/attention.py, models/linear.py).
-  Nothing is captured, so nothing needs padding: one graph whose batch size is unbacked
-  (dynamo's data-dependent kind: marked dynamic, a backed size is specialised at 0 and 1, and
-  batch 1 needed a graph of its own, which doubled the start-up compile: 20-23 s for the two
-  from a warm cache, 13-16 s for the one; a step at batch 1 or 2 costs the same within noise),
-  and every step runs at its own size. Per bucket (the graphs' former layout) eleven SmolLM2
-  buckets took ~11 s each from a warm cache and a step of 17 rows paid for 24.
+  Nothing is captured, so nothing needs padding: two graphs, one for a single sequence and one
+  whose batch size is dynamic (2..largest bucket), and every step runs at its own size. Per
+  bucket (the graphs' former layout) eleven SmolLM2 buckets took ~11 s each from a warm cache
+  and a step of 17 rows paid for 24. One graph with an *unbacked* batch size (batch 1 too)
+  halved the warm compile (23 -> 11 s), but Inductor fused less around an unbacked size (the
+  residual add apart from the RMSNorm, more OpenMP loops a layer): batch 16 steps ran 15-20 %
+  slower, batch 1 10-20 % (docs/benchmarks.md).
 - cudagraph / compile+cudagraph: each bucket captured into a CUDA graph at start-up (after a
   warm-up run that compiles and autotunes the Triton kernels) and replayed every step.
 
@@ -69,8 +70,8 @@ class DecodeGraphs:
         self.mode = mode
         self.dynamic = mode == "compile"
         self.sizes = sorted(set(sizes))
-        if self.dynamic:  # one graph, any batch up to the largest bucket
-            self.sizes = self.sizes[-1:]
+        if self.dynamic:  # a graph for 1 (dynamo specialises size 1 anyway), one for the rest
+            self.sizes = sorted({1, self.sizes[-1]})
         self.max_batch = self.sizes[-1]
         self.null_block = null_block
         self.null_slot = null_block * block_size
@@ -117,9 +118,8 @@ class DecodeGraphs:
                     run, pool = _capture(run, device, pool)
             self.runs[size] = run
         self.build_seconds = time.perf_counter() - start
-        count = len(self.sizes)
-        log.info("decode %s: %d graph%s (batch 1..%d) built in %.1f s", mode, count,
-                 "s" if count > 1 else "", self.max_batch, self.build_seconds)
+        log.info("decode %s: %d graphs (batch 1..%d) built in %.1f s", mode, len(self.sizes),
+                 self.max_batch, self.build_seconds)
 
     def _make_run(self, size: int) -> Callable[[], torch.Tensor]:
         """The forward over the first `size` rows of the static buffers. num_decode_tokens is
@@ -129,10 +129,10 @@ class DecodeGraphs:
         ids, pos, slots, tables, lens = (
             self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
             self.block_tables[:size], self.seq_lens[:size])
-        if self.dynamic:  # the batch dim symbolic, one symbol for all five, never zero
+        if self.dynamic and size > 1:  # the batch dim symbolic (dynamo specialises 1)
             for t in (ids, pos, slots, tables, lens):
-                torch._dynamo.decorators.mark_unbacked(t, 0, min=1, shape_id="rows")
-            # the table width too (another max_model_len reuses the graphs)
+                torch._dynamo.mark_dynamic(t, 0)
+        if self.dynamic:  # the table width too (another max_model_len reuses the graphs)
             torch._dynamo.maybe_mark_dynamic(tables, 1)
         empty = self.empty
         meta = AttentionMetadata(slots, None if self.dynamic else size, tables, lens,

@@ -57,8 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "dummy"])
     p.add_argument("--decode-mode", default=e.decode_mode, choices=DECODE_MODES,
                    help="decode steps: auto (CUDA graphs on CUDA, compile on the CPU in fp32, "
-                   "else eager), eager, static buffers, torch.compile (one graph, "
-                   "dynamic batch), CUDA graphs per batch bucket")
+                   "else eager), eager, static buffers, torch.compile (batch 1 and a dynamic "
+                   "batch), CUDA graphs per batch bucket")
     p.add_argument("--decode-buckets", type=_sizes, default=e.decode_buckets,
                    help="comma-separated batch sizes the decode mode builds (default: 1,2,4, "
                    "then multiples of 8 up to --max-num-seqs)")

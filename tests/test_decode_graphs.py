@@ -141,23 +141,21 @@ def test_decode_mode_choices_and_enforce_eager(tiny_model, shipped_defaults):
 @pytest.mark.skipif(cpu_ops.paged_decode_attention() is None, reason="no C++ toolchain")
 def test_compiled_decode_matches_transformers(tiny_model, shipped_defaults, tmp_path):
     """The CPU default in fp32: Inductor compiles the forward (fullgraph: the attention, KV
-    write, C++ decode and the panel matmuls are tritonserve ops) into one graph whose batch is
-    dynamic (1..4): steps of 3 rows and of 1 run at their own size with no padding and no
-    further compile; fp32 greedy stays token-identical. A second engine of the same shapes, other weights, reuses the
+    write, C++ decode and the panel matmuls are tritonserve ops) into two graphs, batch 1 and a
+    dynamic batch 2..4: steps of 3 rows run at 3 with no padding and no further compile; fp32
+    greedy stays token-identical. A second engine of the same shapes, other weights, reuses the
     graphs (dynamo lifts the weights and caches to graph inputs) and matches its own model."""
     from torch._dynamo.utils import counters
     graphs_before = counters["stats"]["unique_graphs"]
     llm = LLM(tiny_model, dtype="float32", max_num_seqs=4)
     graphs = llm.engine.runner.graphs
-    assert graphs.mode == "compile" and graphs.sizes == [4] and graphs.build_seconds > 0
+    assert graphs.mode == "compile" and graphs.sizes == [1, 4] and graphs.build_seconds > 0
     compiled = counters["stats"]["unique_graphs"] - graphs_before
-    assert compiled in (0, 1)  # 0: an earlier test compiled these shapes in this process
+    assert compiled in (0, 2)  # 0: an earlier test compiled these shapes in this process
     calls = count_graph_runs(llm)
     prompts = mixed_prompts(llm.tokenizer, count=7, seed=4)  # 4 at a time, then 3
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
-    alone = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=12))
-    assert {1, 3} <= set(calls)  # sizes below the graph's ran compiled, batch 1 included
-    assert alone[0].token_ids == outs[0].token_ids
+    assert any(n not in graphs.sizes for n in calls)  # a size between the graphs ran compiled
     assert all(graphs.bucket(n) == n for n in calls)  # at its own size: no padding rows
     assert counters["stats"]["unique_graphs"] - graphs_before == compiled  # no recompile
     assert_parity([o.token_ids for o in outs],
