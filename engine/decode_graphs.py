@@ -13,7 +13,7 @@ Modes (EngineConfig.decode_mode):
   bucket (the graphs' former layout) eleven SmolLM2 buckets took ~11 s each from a warm cache
   and a step of 17 rows paid for 24. One graph with an *unbacked* batch size (batch 1 too)
   halved the warm compile (23 -> 11 s), but Inductor fused less around an unbacked size (the
-  residual add apart from the RMSNorm, more OpenMP loops a layer): batch 16 steps ran 15-20 %
+  residual add apart from the RMSNorm, more OpenMP loops a layer): batch 16 steps ran 10-25 %
   slower, batch 1 10-20 % (docs/benchmarks.md).
 - cudagraph / compile+cudagraph: each bucket captured into a CUDA graph at start-up (after a
   warm-up run that compiles and autotunes the Triton kernels) and replayed every step.
