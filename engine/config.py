@@ -11,15 +11,18 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 DTYPE_CHOICES = ("auto", *_DTYPES)  # auto: the model's dtype where the device runs it (dtype.py)
 
 # How a decode-only step runs (engine/decode_graphs.py). eager: op by op, no static buffers.
-# auto: cudagraph on CUDA with the triton attention; CPU_DECODE_MODE on the CPU in float32 with
-# the torch attention; eager otherwise.
+# auto: cudagraph on CUDA with the triton attention; CPU_DECODE_MODE on the CPU in
+# CPU_COMPILED_DTYPES with the torch attention; eager otherwise.
 DECODE_MODES = ("auto", "eager", "static", "compile", "cudagraph", "compile+cudagraph")
 
 # SmolLM2 fp32 on a 2-core AVX2 EPYC, compiled vs eager: 40 vs 46 ms a step at batch 1, 116 vs
 # 125 at 16, 306 vs 370 at 64; served side by side, 1.1-1.35x eager's tok/s (docs/benchmarks.md,
-# sixth session), for ~145 s of compiling at the first start and ~30 s from the cache. bf16 stays
-# eager: compiled, its weights could not be prepacked for oneDNN, and no bf16 CPU measured it.
+# sixth session), for ~145 s of compiling at the first start and ~30 s from the cache. bf16 on
+# a 2-core AVX512-BF16 EPYC, both through the bf16 panels (kernels/cpu/linear_bf16.cpp):
+# 8.6 vs 9.2 ms at batch 1, 15.6 vs 19.7 at 16, 40.4 vs 46.2 at 64 (ninth session). fp16 has
+# no panels (its weights stay plain): eager.
 CPU_DECODE_MODE = "compile"
+CPU_COMPILED_DTYPES = ("float32", "bfloat16")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -121,7 +124,8 @@ class EngineConfig:
         device = torch.device(self.device).type
         if device == "cuda" and self.use_triton("attention"):
             return "cudagraph"
-        if device == "cpu" and self.dtype == "float32" and not self.use_triton("attention"):
+        if (device == "cpu" and self.dtype in CPU_COMPILED_DTYPES
+                and not self.use_triton("attention")):
             return CPU_DECODE_MODE
         return "eager"
 

@@ -25,7 +25,8 @@ from .cache import cache_root
 
 log = logging.getLogger("kernels")
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_decode.cpp", "fused_ops.cpp", "linear.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name
+           for name in ("paged_decode.cpp", "fused_ops.cpp", "linear.cpp", "linear_bf16.cpp")]
 # -O3 with -march=native lets the compiler vectorise the head_dim loops for this CPU (AVX2 /
 # AVX-512); the cache directory is per machine, so the native build is never shared.
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it (2x slower on 2 cores); the
@@ -103,6 +104,14 @@ def _register_fake() -> None:
     def _(x, panels, n, bias):
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("tritonserve::pack_linear_weight_bf16")
+    def _(weight):
+        return weight.new_empty(-(-weight.shape[0] // 32), -(-weight.shape[1] // 2), 32, 2)
+
+    @torch.library.register_fake("tritonserve::packed_linear_bf16")
+    def _(x, panels, n, bias):
+        return x.new_empty(x.shape[0], n)
+
 
 def paged_decode_attention():
     """torch.ops.tritonserve.paged_decode_attention(q, k_cache, v_cache, block_tables,
@@ -129,6 +138,16 @@ def packed_linear():
     if not load():
         return None
     return torch.ops.tritonserve.pack_linear_weight, torch.ops.tritonserve.packed_linear
+
+
+@functools.cache
+def packed_linear_bf16():
+    """(pack_linear_weight_bf16, packed_linear_bf16) from kernels/cpu/linear_bf16.cpp: weight
+    [N, K] bf16 -> panels of k pairs; (x [M, K] bf16, panels, N, bias or None) -> x @ weight^T
+    + bias in bf16 (fp32 sums). None when the library is unavailable."""
+    if not load():
+        return None
+    return torch.ops.tritonserve.pack_linear_weight_bf16, torch.ops.tritonserve.packed_linear_bf16
 
 
 def main() -> int:

@@ -1,5 +1,6 @@
-"""The C++ CPU paged decode attention (kernels/cpu_ops.py) against the torch reference, and
-the fallback when it cannot be built."""
+"""The C++ CPU ops (kernels/cpu_ops.py): the paged decode attention against the torch
+reference, the bf16 panel matmul against float64, and the fallback when they cannot be
+built."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -81,6 +82,45 @@ def test_cpu_decode_reads_a_strided_query():
     close(op(q, k_cache, v_cache, tables, lens, 0.125),
           reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125),
           torch.float32)
+
+
+@needs_op
+@pytest.mark.parametrize("rows,n,k", [
+    (1, 70, 64), (1, 33, 301),  # one row: the four-chain loop, its odd-pair tail, odd K
+    (5, 165, 301), (12, 32, 2), (29, 100, 577),  # partial and full row tiles, partial panels
+    (300, 40, 500), (1, 1, 1), (3, 64, 1536),  # two row blocks (252 + 48 rows); K = 1
+])
+def test_bf16_panels_round_the_exact_product_once(rows, n, k):
+    """packed_linear_bf16 sums in fp32 over all of K and rounds once: every element is the
+    float64 product rounded to bf16, give or take one bf16 step (fp32 sums of <= 1536 terms
+    sit ~1e-6 off the exact value, so only near-ties round the other way). With a bias (a
+    Qwen2 qkv bias is bf16) the same against product + bias."""
+    pack, product = cpu_ops.packed_linear_bf16()
+    generator = torch.Generator().manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    weight = (torch.randn(n, k, generator=generator) / k ** 0.5).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16()
+    panels = pack(weight)
+    assert panels.shape == (-(-n // 32), -(-k // 2), 32, 2)
+    for b in (None, bias):
+        out = product(x, panels, n, b)
+        assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+        exact = x.double() @ weight.double().t() + (0 if b is None else b.double())
+        step = exact.abs().clamp_min(1e-30).log2().floor().exp2() / 128  # one bf16 ulp
+        assert ((out.double() - exact).abs() <= step + 1e-30).all()
+        assert (out.double() - exact.bfloat16().double()).abs().gt(0).float().mean() < 0.01
+
+
+@needs_op
+def test_bf16_panels_refuse_mismatched_inputs():
+    pack, product = cpu_ops.packed_linear_bf16()
+    panels = pack(torch.randn(40, 16).bfloat16())
+    with pytest.raises(RuntimeError, match="K = x.size"):
+        product(torch.randn(2, 18).bfloat16(), panels, 40, None)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        product(torch.randn(2, 16).bfloat16(), panels, 20, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        product(torch.randn(2, 16), panels, 40, None)
 
 
 def test_backend_falls_back_to_torch_without_the_op(monkeypatch):

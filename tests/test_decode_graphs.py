@@ -13,7 +13,7 @@ from engine.decode_graphs import DecodeGraphs, bucket_sizes
 from engine.models import ForwardContext, ModelArch
 from engine.models.loader import build_model
 from kernels import cpu_ops
-from tests.parity import assert_parity, hf_greedy
+from tests.parity import TIE_GAP_BF16, assert_parity, hf_greedy
 from tests.test_engine_parity import mixed_prompts, run_and_compare
 from tests.tiny_models import write_tiny_model
 
@@ -107,9 +107,11 @@ def test_decode_mode_choices_and_enforce_eager(tiny_model, shipped_defaults):
     assert parse_args([]).decode_mode == EngineConfig.decode_mode == "auto"
     assert parse_args(["--enforce-eager"]).decode_mode == "eager"
     assert parse_args(["--decode-mode", "static"]).decode_mode == "static"
-    # the CPU default (measured): compiled in fp32, eager in bf16 or with the triton kernels
+    # the CPU default (measured): compiled in fp32 and bf16 (both have C++ panels), eager in
+    # fp16 (plain weights) or with the triton kernels
     assert EngineConfig(dtype="float32").resolved_decode_mode == "compile"
-    assert EngineConfig(dtype="bfloat16").resolved_decode_mode == "eager"
+    assert EngineConfig(dtype="bfloat16").resolved_decode_mode == "compile"
+    assert EngineConfig(dtype="float16").resolved_decode_mode == "eager"
     assert EngineConfig(dtype="float32", attention_backend="triton").resolved_decode_mode \
         == "eager"
     assert EngineConfig(device="cuda").resolved_decode_mode == "cudagraph"
@@ -167,6 +169,26 @@ def test_compiled_decode_matches_transformers(tiny_model, shipped_defaults, tmp_
     assert [o.token_ids for o in other_outs] != [o.token_ids for o in outs]
     assert_parity([o.token_ids for o in other_outs],
                   hf_greedy(other, prompts, 12, set(again.engine.eos_token_ids)))
+
+
+def test_compiled_bf16_decode_matches_transformers_in_bf16(tiny_model, shipped_defaults):
+    """The CPU default in bf16 (--dtype auto on a CPU with native bf16): compiled, every
+    projection on the bf16 panels (kernels/cpu/linear_bf16.cpp) inside the graph. Against
+    transformers in bf16 with the bf16 tie rule (tests/parity.py: a divergence only where the
+    reference's top two logits lie within one bf16 step), as the eager bf16 parity test."""
+    from engine.models.linear import Linear, can_pack_panels
+    llm = LLM(tiny_model, dtype="bfloat16", max_num_seqs=4)
+    graphs, model = llm.engine.runner.graphs, llm.engine.runner.model
+    assert graphs.mode == "compile"
+    if can_pack_panels(model.embed_tokens.weight):
+        assert all(m.weight.dim() == 4 for m in model.modules() if isinstance(m, Linear))
+    calls = count_graph_runs(llm)
+    prompts = mixed_prompts(llm.tokenizer, count=7, seed=4)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    assert calls and all(graphs.bucket(n) == n for n in calls)
+    refs = hf_greedy(tiny_model, prompts, 12, set(llm.engine.eos_token_ids), torch.bfloat16)
+    ties = assert_parity([o.token_ids for o in outs], refs, TIE_GAP_BF16)
+    assert len(ties) <= len(prompts) // 2, ties
 
 
 def test_cudagraph_decode_matches_eager(tiny_model, device):

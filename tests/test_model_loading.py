@@ -121,12 +121,14 @@ def test_bench_kernels_runs_on_cpu():
     (torch.float32, 1e-4, None), (torch.float32, 1e-4, "onednn"),
     (torch.float32, 1e-4, "panels"),
     (torch.bfloat16, 3e-2, None), (torch.bfloat16, 3e-2, "onednn"),
+    (torch.bfloat16, 3e-2, "panels"),
     (torch.float16, 3e-3, None),  # no oneDNN inner product for fp16: F.linear
 ])
 @pytest.mark.parametrize("rows", [0, 1, 2, 7, 16, 37, 300])
 def test_linear_matches_float64(dtype, tolerance, packed, rows):
-    """linear (C++ panels for fp32, oneDNN on the CPU for fp32/bf16, plain or prepacked
-    weights; F.linear otherwise) against float64. N = 165 leaves a partial last panel, K = 301
+    """linear (C++ panels for fp32 and bf16, oneDNN on the CPU for fp32/bf16, plain or
+    prepacked weights; F.linear otherwise) against float64 (the bf16 panels' own tiles and
+    odd K: tests/test_cpu_ops.py). N = 165 leaves a partial last panel, K = 301
     a k-chunk of 256 plus a remainder; 7 and 37 rows cover full and partial 6-row tiles (2, 7
     and 16 with the first tile prefetching the next chunk, past the last panel's end too), 300
     two of the panels' row blocks (216 + 84 rows of 301 floats: 256 KB blocks)."""
@@ -197,7 +199,7 @@ def test_cpu_engine_runs_on_prepacked_weights(tiny_model):
     model = LLM(tiny_model).engine.runner.model
     plain = model.embed_tokens.weight
     if can_pack_panels(plain):
-        is_packed = lambda w: w.dim() == 3  # noqa: E731
+        is_packed = lambda w: w.dim() == 3  # noqa: E731  (fp32 panels)
     elif can_prepack(plain):
         is_packed = lambda w: w.is_mkldnn  # noqa: E731
     else:

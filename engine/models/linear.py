@@ -49,15 +49,28 @@ def prepack_weight(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
+def _panel_ops(dtype: torch.dtype):
+    """(pack, product) of the C++ panel kernel for this dtype, or None."""
+    if dtype == torch.float32:
+        return cpu_ops.packed_linear()
+    if dtype == torch.bfloat16:
+        return cpu_ops.packed_linear_bf16()
+    return None
+
+
 def can_pack_panels(weight: torch.Tensor) -> bool:
-    """The C++ panel kernel takes this weight (fp32 on the CPU, library built)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and cpu_ops.packed_linear() is not None)
+    """A C++ panel kernel takes this weight (fp32 or bf16 on the CPU, library built)."""
+    return weight.device.type == "cpu" and _panel_ops(weight.dtype) is not None
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] fp32 -> panels [ceil(N / 16), K, 16] for kernels/cpu/linear.cpp."""
-    return cpu_ops.packed_linear()[0](weight.detach().contiguous())
+    """weight [N, K] -> panels: fp32 [ceil(N / 16), K, 16] for kernels/cpu/linear.cpp, bf16
+    [ceil(N / 32), ceil(K / 2), 32, 2] for kernels/cpu/linear_bf16.cpp."""
+    return _panel_ops(weight.dtype)[0](weight.detach().contiguous())
+
+
+def is_panels(weight: torch.Tensor) -> bool:
+    return weight.dim() in (3, 4)
 
 
 def pack_weight(weight: torch.Tensor, batch_hint: int,
@@ -84,14 +97,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.compiler.is_compiling():
         if weight.dim() == 3:  # panels: the graph calls the C++ op (opaque to Inductor)
             return torch.ops.tritonserve.packed_linear(x, weight, out_features, bias)
+        if weight.dim() == 4:
+            return torch.ops.tritonserve.packed_linear_bf16(x, weight, out_features, bias)
         return F.linear(x, weight, bias)  # Inductor picks its GEMM
-    packed = weight.is_mkldnn or weight.dim() == 3
+    packed = weight.is_mkldnn or is_panels(weight)
     if packed and torch.is_grad_enabled() and x.requires_grad:
         raise RuntimeError("prepacked CPU weights are for inference only")
-    if weight.dim() == 3:
+    if is_panels(weight):
         if out_features is None:
             raise ValueError("linear: out_features is required with a panel-packed weight")
-        return cpu_ops.packed_linear()[1](x.contiguous(), weight, out_features, bias)
+        return _panel_ops(weight.dtype)[1](x.contiguous(), weight, out_features, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if (x.device.type == "cpu" and x.dtype in _onednn_dtypes() and not torch.is_grad_enabled()
