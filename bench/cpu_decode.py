@@ -80,6 +80,6 @@ def main(argv: list[str]) -> int:
         op_s = _median_s(lambda: op(q, k_cache, v_cache, tables, lens, scale), args.calls, flush)
         torch_s = _median_s(lambda: bucketed_decode_attention(q, k_cache, v_cache, tables, lens,
                                                               scale), args.calls, flush)
-        print(f"{batch:>5} {kv_bytes / 1e6:>7.1f} {op_s * 1e3:>10.2f} "
-              f"{kv_bytes / op_s / 1e9:>6.1f} {torch_s * 1e3:>9.2f} {torch_s / op_s:>7.2f}x")
+        print(f"{batch:>5} {kv_bytes / 1e6:>7.1f} {op_s * 1e3:>10.3f} "
+              f"{kv_bytes / op_s / 1e9:>6.1f} {torch_s * 1e3:>9.3f} {torch_s / op_s:>7.2f}x")
     return 0
