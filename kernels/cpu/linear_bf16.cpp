@@ -29,6 +29,12 @@ namespace {
 
 constexpr int64_t kCols = 32;  // output columns per panel
 constexpr int64_t kBlockBytes = 256 << 10;  // a block of x rows kept in L2 across the panels
+// The first row tile of every block prefetches the weight stream kPrefetchBytes ahead (the
+// hardware prefetcher alone left the first pass over a panel waiting on memory). SmolLM2's 121
+// matmuls weights cold on a 2-core Zen 5, old / new library side by side: M = 4 6.5 -> 5.4-5.9
+// ms, 16 9.4 -> 7.0-7.4, 64 23.0 -> 19.9-20.2, 128-2048 even or 1-4 % faster; one row (its
+// own loop) gained nothing (docs/benchmarks.md, ninth session).
+constexpr int64_t kPrefetchBytes = 4096;
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -65,8 +71,9 @@ inline void store_row(const float* acc, uint16_t* y, int64_t ncols, const float*
 #ifdef TS_DPBF16
 // R rows of x (row stride ldx) against one panel, all of its kp pairs. 2R accumulators
 // (R <= 12 of the 32 zmm registers) and two panel loads per pair, the x pair folded into
-// vdpbf16ps as a broadcast.
-template <int R>
+// vdpbf16ps as a broadcast. Prefetch: the tile that reads the panel first asks for the
+// weight stream ahead (a template argument, as in kernels/cpu/linear.cpp).
+template <int R, bool Prefetch>
 inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* panel, int64_t kp,
                  uint16_t* y, int64_t ldy, int64_t ncols, const float* bias) {
   __m512 lo[R], hi[R];
@@ -77,6 +84,11 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* pane
   for (int64_t j = 0; j < full; ++j) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kCols);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kCols + kCols);
+    if (Prefetch) {  // the pair's two lines, kPrefetchBytes further down the stream
+      const char* ahead = reinterpret_cast<const char*>(panel + j * 2 * kCols) + kPrefetchBytes;
+      __builtin_prefetch(ahead, 0, 3);
+      __builtin_prefetch(ahead + 64, 0, 3);
+    }
     for (int m = 0; m < R; ++m) {
       uint32_t word;
       std::memcpy(&word, x + m * ldx + 2 * j, sizeof word);
@@ -137,7 +149,7 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef uint32_t u8 __attribute__((vector_size(32)));
 
 // The portable tile: per k pair, 32 columns as four 8-wide words split into even / odd k.
-template <int R>
+template <int R, bool Prefetch>
 inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* panel, int64_t kp,
                  uint16_t* y, int64_t ldy, int64_t ncols, const float* bias) {
   v8 acc[R][4] = {};
@@ -167,21 +179,22 @@ constexpr int kRows = 3;
 
 inline void row_times_panel(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t kp,
                             uint16_t* y, int64_t ncols, const float* bias) {
-  tile<1>(x, K, K, panel, kp, y, 0, ncols, bias);
+  tile<1, false>(x, K, K, panel, kp, y, 0, ncols, bias);
 }
 #endif
 
-template <int R = kRows>
+// tile<rows> for 1 <= rows <= R
+template <bool Prefetch, int R = kRows>
 inline void tiles(int64_t rows, const uint16_t* x, int64_t ldx, int64_t K,
                   const uint16_t* panel, int64_t kp, uint16_t* y, int64_t ldy, int64_t ncols,
                   const float* bias) {
   if constexpr (R > 1) {
     if (rows < R) {
-      tiles<R - 1>(rows, x, ldx, K, panel, kp, y, ldy, ncols, bias);
+      tiles<Prefetch, R - 1>(rows, x, ldx, K, panel, kp, y, ldy, ncols, bias);
       return;
     }
   }
-  tile<R>(x, ldx, K, panel, kp, y, ldy, ncols, bias);
+  tile<R, Prefetch>(x, ldx, K, panel, kp, y, ldy, ncols, bias);
 }
 
 // rows [0, M) of x against one panel
@@ -191,10 +204,13 @@ void panel_product(const uint16_t* x, int64_t M, int64_t K, const uint16_t* pane
     row_times_panel(x, K, panel, kp, y, ncols, bias);
     return;
   }
-  int64_t m = 0;
+  // the first tile prefetches (the panels are contiguous: past this panel's end lies the
+  // next one's start; past the last panel's, a prefetch of nothing, which never faults)
+  int64_t m = std::min<int64_t>(M, kRows);
+  tiles<true>(m, x, K, K, panel, kp, y, N, ncols, bias);
   for (; m + kRows <= M; m += kRows)
-    tile<kRows>(x + m * K, K, K, panel, kp, y + m * N, N, ncols, bias);
-  if (m < M) tiles(M - m, x + m * K, K, K, panel, kp, y + m * N, N, ncols, bias);
+    tile<kRows, false>(x + m * K, K, K, panel, kp, y + m * N, N, ncols, bias);
+  if (m < M) tiles<false>(M - m, x + m * K, K, K, panel, kp, y + m * N, N, ncols, bias);
 }
 
 torch::Tensor pack_linear_weight_bf16(const torch::Tensor& weight) {
