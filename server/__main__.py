@@ -97,8 +97,9 @@ async def serve_http(app: web.Application, args: argparse.Namespace,
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     card = app[STATE].engine.card
-    logging.info("serving %s on http://%s:%d (%d KV blocks of %d tokens)", card.name,
-                 args.host, args.port, card.num_kv_blocks, card.block_size)
+    logging.info("serving %s on http://%s:%d (%s, decode %s, %d KV blocks of %d tokens)",
+                 card.name, args.host, args.port, card.dtype, card.decode_mode,
+                 card.num_kv_blocks, card.block_size)
     print(f"READY http://{args.host}:{args.port}", flush=True)
     await stop.wait()
     logging.info("draining (grace period %.1f s)", args.grace_period)

@@ -61,6 +61,8 @@ class ModelCard:
     vocab_size: int
     num_kv_blocks: int
     block_size: int
+    dtype: str  # what --dtype auto resolved to
+    decode_mode: str  # what --decode-mode auto resolved to
 
     def names(self) -> tuple[str, str]:
         """The names a request's `model` field may use."""
@@ -153,7 +155,8 @@ class AsyncEngine:
         self.card = ModelCard(
             name=engine.model_name, root=str(engine.model_path),
             max_model_len=engine.max_model_len, vocab_size=engine.arch.vocab_size,
-            num_kv_blocks=engine.kv_cache.num_blocks, block_size=engine.kv_cache.block_size)
+            num_kv_blocks=engine.kv_cache.num_blocks, block_size=engine.kv_cache.block_size,
+            dtype=engine.config.dtype, decode_mode=engine.runner.decode_mode)
         self.stats = EngineStats()
         engine.grammars  # built now (~1 s): not on the event loop at the first structured request
 

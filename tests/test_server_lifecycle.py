@@ -87,6 +87,9 @@ def test_sigterm_grace_period_lets_streams_complete(tiny_model):
     proc, port = start_server(tiny_model, "--grace-period", "20", eager=False)
     assert any("decode compile: 2 graphs" in line for line in proc.startup_log), \
         proc.startup_log
+    # the start-up line names what the `auto`s resolved to (the tiny model is fp32)
+    assert any("serving" in line and "(float32, decode compile," in line
+               for line in proc.startup_log), proc.startup_log
     try:
         import threading
         results = {}
