@@ -182,7 +182,7 @@ class DecoderForCausalLM(nn.Module):
 
     def prepack_weights(self, batch_hint: int, traceable: bool = False) -> None:
         """CPU inference: every projection weight in its packed form (`linear.pack_weight`:
-        C++ panels for fp32, oneDNN's blocked layout for bf16) in place of the plain one. A
+        C++ panels for fp32 and bf16, else oneDNN's blocked layout) in place of the plain one. A
         tied lm_head gets a packed copy of the embedding table, which stays plain for the
         lookup. traceable: only forms torch.compile traces (the panels)."""
         for module in self.modules():
