@@ -22,6 +22,7 @@ CASES = [
     (3, [5, 200, 64, 70], 16, 64, torch.float32),  # SmolLM2's 9 / 3 heads
     (4, [300, 1, 33], 32, 128, torch.float32),
     (2, [40, 7], 16, 96, torch.float32),  # a head size with no specialised build
+    (3, [5, 20, 9], 8, 64, torch.float32),  # a block size the 16-token score tree skips
     (3, [48, 9, 130], 16, 64, torch.bfloat16),
     (4, [48, 9], 16, 128, torch.float16),
     # 40 sequences: at batch >= 4 x threads a work item is a whole sequence (all KV heads)
