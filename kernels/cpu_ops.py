@@ -27,6 +27,7 @@ log = logging.getLogger("kernels")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_decode.cpp", "fused_ops.cpp", "linear.cpp", "linear_bf16.cpp")]
+HEADERS = [Path(__file__).parent / "cpu" / "vec_math.h"]  # staged beside them, not compiled
 # -O3 with -march=native lets the compiler vectorise the head_dim loops for this CPU (AVX2 /
 # AVX-512); the cache directory is per machine, so the native build is never shared.
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it (2x slower on 2 cores); the
@@ -41,16 +42,19 @@ def cache_dir() -> Path:
 def stage_sources(folder: Path) -> list[str]:
     """The sources copied into the cache (a file only when its contents changed): the build
     then names the same paths from every checkout, so a second checkout of the same code reuses
-    the library instead of rebuilding it (ninja saw new paths: ~70 s here, measured)."""
+    the library instead of rebuilding it (ninja saw new paths: ~70 s here, measured). The
+    headers are staged beside them, so ninja's dependency files see their changes; only the
+    sources are returned (the build's list)."""
     staged = folder / "src"
     staged.mkdir(parents=True, exist_ok=True)
     paths = []
-    for source in SOURCES:
+    for source in HEADERS + SOURCES:
         target = staged / source.name
         text = source.read_bytes()
         if not target.exists() or target.read_bytes() != text:
             target.write_bytes(text)
-        paths.append(str(target))
+        if source in SOURCES:
+            paths.append(str(target))
     return paths
 
 

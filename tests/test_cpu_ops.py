@@ -147,6 +147,8 @@ def test_sources_are_staged_once_at_stable_paths(tmp_path):
     checkout of the same code names the same paths and reuses one build."""
     first = cpu_ops.stage_sources(tmp_path)
     assert [p.rsplit("/", 1)[1] for p in first] == [s.name for s in cpu_ops.SOURCES]
+    for header in cpu_ops.HEADERS:  # beside the sources, where their #include finds it
+        assert (Path(first[0]).parent / header.name).read_bytes() == header.read_bytes()
     stamps = [Path(p).stat().st_mtime_ns for p in first]
     Path(first[0]).write_text("// edited\n")
     again = cpu_ops.stage_sources(tmp_path)

@@ -26,31 +26,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
+
+using tritonserve_vec::exp_clamped;
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
-
-// exp(x) for the softmax's x <= 0 in plain arithmetic, so the `omp simd` loop vectorises it
-// (std::exp there compiled to a scalar call per score, a quarter of the op's time in perf on
-// a Zen 5). 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p Taylor to degree 6 (relative
-// error < 2e-7, about fp32's rounding); x below -87 gives ~0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504f);
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln2 split in two parts
-  float p = 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // A page's rows for kv heads [h0, h0 + nh) as fp32: in place for an fp32 cache (row stride
 // `row`), else converted once into `buffer` (row stride nh * head_dim).
@@ -204,7 +187,7 @@ void decode_seq(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < n; ++t) {
-        sh[t] = exp_nonpositive(sh[t] - m_new);
+        sh[t] = exp_clamped(sh[t] - m_new);
         sum += sh[t];
       }
       l[h] = l[h] * alpha + sum;
