@@ -29,6 +29,14 @@ CASES = [
     (3, list(range(1, 400, 10)), 16, 64, torch.float32),
     (2, list(range(3, 200, 5)), 32, 96, torch.float32),
     (4, list(range(1, 120, 3)), 16, 128, torch.bfloat16),
+    # bf16 with AVX512-BF16: pages of 32 (two 16-token groups, the second part-filled), the
+    # groups the build instantiates (1-8); then what it leaves to the portable path
+    (1, [1, 16, 17, 33, 64], 32, 64, torch.bfloat16),
+    (7, [100, 3], 16, 128, torch.bfloat16),
+    (8, [50, 15], 16, 64, torch.bfloat16),
+    (2, [40, 7], 16, 96, torch.bfloat16),
+    (3, [5, 20, 9], 8, 64, torch.bfloat16),
+    (9, [30, 2], 16, 64, torch.bfloat16),
 ]
 
 
@@ -46,6 +54,24 @@ def test_cpu_decode_matches_reference(group, seq_lens, block_size, head_dim, dty
     actual = op(q, k_cache, v_cache, tables, lens, 0.1)
     assert actual.shape == q.shape and actual.dtype == dtype
     close(actual, expected, dtype)
+
+
+@needs_op
+@pytest.mark.parametrize("group,block_size,head_dim", [(3, 16, 64), (4, 32, 128), (2, 16, 96)])
+def test_cpu_decode_bf16_is_one_rounding_from_exact(group, block_size, head_dim):
+    """bf16 caches: the op computes in fp32 (on the raw bf16 where the CPU has AVX512-BF16),
+    so each output is the float64 attention of the same bf16 inputs rounded once to bf16."""
+    seq_lens, kv_heads = [3, 47, 160, 16, 90] * 4, 3  # 20 sequences: whole-sequence items too
+    pool = sum(-(-n // block_size) for n in seq_lens) + 5
+    k_cache, v_cache = make_cache(pool, block_size, kv_heads, head_dim, torch.bfloat16, "cpu", 5)
+    tables = scattered_tables(seq_lens, block_size, pool, 5)
+    poison_tails(k_cache, v_cache, tables, seq_lens, block_size)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = (torch.randn(len(seq_lens), kv_heads * group, head_dim) * 2).bfloat16()
+    exact = reference.paged_decode_attention(q.double(), k_cache.double(), v_cache.double(),
+                                             tables, lens, head_dim ** -0.5)
+    actual = op(q, k_cache, v_cache, tables, lens, head_dim ** -0.5).double()
+    assert ((actual - exact).abs() <= exact.abs() * 2 ** -8 + 1e-5).all()
 
 
 @needs_op
@@ -71,18 +97,18 @@ def test_cpu_decode_work_split_does_not_change_the_result(threads):
 
 
 @needs_op
-def test_cpu_decode_reads_a_strided_query():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_reads_a_strided_query(dtype):
     """q as the engine passes it: a view into the fused qkv output (head stride != head_dim
     * heads), which the op must read through its strides."""
-    k_cache, v_cache = make_cache(8, 16, 2, 64, torch.float32, "cpu", 4)
+    k_cache, v_cache = make_cache(8, 16, 2, 64, dtype, "cpu", 4)
     tables = torch.tensor([[3, 5], [1, 0]], dtype=torch.int32)
     lens = torch.tensor([20, 9], dtype=torch.int32)
-    qkv = torch.randn(2, 8 * 64 + 2 * 2 * 64)
+    qkv = torch.randn(2, 8 * 64 + 2 * 2 * 64).to(dtype)
     q = qkv[:, :8 * 64].view(2, 8, 64)
     assert not q.is_contiguous()
     close(op(q, k_cache, v_cache, tables, lens, 0.125),
-          reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125),
-          torch.float32)
+          reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125), dtype)
 
 
 @needs_op

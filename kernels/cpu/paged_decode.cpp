@@ -12,6 +12,9 @@
 // now; bf16 4.5 -> 2.5 ms (docs/benchmarks.md). On a Zen 5, in the engine (batch 64, 128-
 // token prompts, bf16): a vectorised exp 698-702 -> 616-635 us a call, then the dots of 16
 // tokens summed in one shuffle tree (page_scores) 640-657 -> 586-618 (ninth session).
+// bf16 caches on a build with AVX512-BF16 take paged_decode_bf16.h instead (scores by
+// vdpbf16ps on the raw pages, no conversion buffers): warm 0.27 -> 0.13 ms a call, in the
+// engine (batch 64, 64-token prompts) 327 -> 240-290 us (tenth session).
 // Registered as torch.ops.tritonserve.paged_decode_attention (CPU); kernels/cpu_ops.py
 // builds it and registers the fake (shape-only) implementation torch.compile traces with.
 #include <torch/extension.h>
@@ -26,11 +29,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged_decode_bf16.h"
 #include "vec_math.h"
 
 namespace {
 
 using tritonserve_vec::exp_clamped;
+using tritonserve_vec::sum_lanes16;
+using tritonserve_vec::v16;
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
@@ -60,33 +66,6 @@ inline const float* page_as_float(const T* page, float* buffer, int64_t n, int64
       for (int64_t d = 0; d < span; ++d) buffer[t * span + d] = to_float(page[t * row + d]);
     return buffer;
   }
-}
-
-typedef float v16 __attribute__((vector_size(64)));  // GCC vectors: one zmm, or two ymm
-
-// a[j] for j < 16 -> out with out[j] = the sum of a[j]'s 16 lanes: a tree of two-source
-// shuffles, 30 shuffles and 15 adds for 16 sums, where one horizontal sum each took 8 ops.
-inline v16 sum_lanes16(const v16* a) {
-  v16 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)  // lanes 0-7: a[2i]'s halves summed, 8-15: a[2i + 1]'s
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
-                                   19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
-                                   25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)  // four lanes a token, tokens 4i .. 4i + 3
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
-                                   18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
-                                   22, 23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)  // two lanes a token
-    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
-                                   20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
-                                   22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                 28, 30) +
-         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                 29, 31);
 }
 
 // scores[t] = q . k_t for tokens [0, n) of a page (k_t at k + t * krow), HD a multiple of 16,
@@ -247,33 +226,54 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int64_t table_stride = tables.size(1);
+  // items per sequence: 1 (whole pages, sequential reads) when there are enough sequences
+  // to keep every thread busy, else one per KV head (batch 1 would otherwise use one core)
+  const int64_t split = batch >= 4 * at::get_num_threads() ? 1 : kv_heads;
+  // item -> (sequence, KV heads [h0, h1)), longest sequences first, each thread claiming the
+  // next item when it is done: a static split of the range left the thread with the longer
+  // sequences finishing last
+  std::vector<int64_t> order(batch);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
+  auto for_each_item = [&](auto&& work) {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t item = next++; item < batch * split; item = next++) {
+        const int64_t b = order[item / split], part = item % split;
+        work(b, part * kv_heads / split, (part + 1) * kv_heads / split);
+      }
+    });
+  };
+  const int64_t q_seq_stride = qc.stride(0), q_head_stride = qc.stride(1);
+#ifdef TRITONSERVE_DECODE_BF16
+  if (q.scalar_type() == at::kBFloat16) {
+    if (auto one = tritonserve_decode_bf16::pick(head_dim, group, block_size)) {
+      using tritonserve_decode_bf16::Item;
+      const auto* q_ptr = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+      const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+      const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+      auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
+      for_each_item([&](int64_t b, int64_t h0, int64_t h1) {
+        one(q_ptr + b * q_seq_stride, k_ptr, v_ptr,
+            Item{table_ptr + b * table_stride, len_ptr[b], h0, h1}, block_size, kv_heads,
+            static_cast<float>(scale), out_ptr + b * heads * head_dim, q_head_stride, head_dim);
+      });
+      return out;
+    }
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     const scalar_t* q_ptr = qc.data_ptr<scalar_t>();
     const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
     const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
-    const int64_t q_seq_stride = qc.stride(0), q_head_stride = qc.stride(1);
     auto one = head_dim == 64 ? decode_seq<scalar_t, 64>
              : head_dim == 128 ? decode_seq<scalar_t, 128> : decode_seq<scalar_t, 0>;
-    // items per sequence: 1 (whole pages, sequential reads) when there are enough sequences
-    // to keep every thread busy, else one per KV head (batch 1 would otherwise use one core)
-    const int64_t split = batch >= 4 * at::get_num_threads() ? 1 : kv_heads;
-    // longest sequences first, each thread claiming the next item when it is done: a static
-    // split of the range left the thread with the longer sequences finishing last
-    const int64_t items = batch * split;
-    std::vector<int64_t> order(batch);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      for (int64_t item = next++; item < items; item = next++) {
-        const int64_t b = order[item / split], part = item % split;
-        const int64_t h0 = part * kv_heads / split, h1 = (part + 1) * kv_heads / split;
-        one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, table_ptr + b * table_stride, len_ptr[b],
-            block_size, kv_heads, head_dim, group, h0, h1, static_cast<float>(scale),
-            out_ptr + b * heads * head_dim, q_head_stride, head_dim);
-      }
+    for_each_item([&](int64_t b, int64_t h0, int64_t h1) {
+      one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, table_ptr + b * table_stride, len_ptr[b],
+          block_size, kv_heads, head_dim, group, h0, h1, static_cast<float>(scale),
+          out_ptr + b * heads * head_dim, q_head_stride, head_dim);
     });
   });
   return out;

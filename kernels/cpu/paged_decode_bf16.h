@@ -1,0 +1,199 @@
+// Decode attention of one sequence over a bf16 paged cache with AVX512-BF16: the bf16 rows are
+// used as they lie in the page, never converted into a buffer. Included by paged_decode.cpp,
+// which calls it for bf16 caches when the build has AVX512-BF16, the head size is 32 * C and
+// the block size a multiple of 16; else its portable path runs.
+//
+// Per 16 tokens of a page and a KV head, for each of its G query heads:
+//   scores: q . k_t by vdpbf16ps on the raw bf16 (products exact, fp32 sums), then the 16
+//     tokens' lane sums in one shuffle tree: one zmm of 16 scores;
+//   softmax: the online (flash-decoding) update on that zmm;
+//   values: fp32 as the portable path, each V row converted in registers (bf16 -> fp32 is a
+//     shift for the even elements, a mask for the odd ones) once for all G query heads, whose
+//     accumulators stay in registers; the accumulators are kept in that even/odd order and put
+//     back in dimension order at the end.
+// q is bf16 already (the op's input); the scale multiplies the scores, as the portable path
+// scales q in fp32: the two differ by fp32 rounding only.
+#pragma once
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "vec_math.h"
+
+#define TRITONSERVE_DECODE_BF16 1
+
+namespace tritonserve_decode_bf16 {
+
+using tritonserve_vec::exp_clamped;
+using tritonserve_vec::v16;
+
+// 16 tokens' scores against one query head: rows k + t * row for t < 16 (all inside the page;
+// a row past the sequence only feeds a lane the caller masks)
+template <int C>
+inline __m512 scores16(const __m512i* qv, const uint16_t* k, int64_t row) {
+  v16 a[16];
+  for (int t = 0; t < 16; ++t) {
+    const uint16_t* kt = k + t * row;
+    __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[0],
+                                (__m512bh)_mm512_loadu_si512(kt));
+    for (int c = 1; c < C; ++c)
+      s = _mm512_dpbf16_ps(s, (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512(kt + 32 * c));
+    a[t] = (v16)s;
+  }
+  return (__m512)tritonserve_vec::sum_lanes16(a);
+}
+
+// per query head: running max, sum, and HD accumulators (even/odd order within each 32)
+template <int C, int G>
+struct HeadState {
+  float m[G], l[G];
+  alignas(64) float acc[G][32 * C];
+};
+
+// What one work item reads: a sequence's block table and length, and its KV heads [h0, h1).
+struct Item {
+  const int32_t* table;
+  int64_t len, h0, h1;
+};
+
+// Ask for a page's rows of heads [h0, h1) (token slots `row` elements apart), K and V.
+// Non-temporal: each line is read once, and in a served step the weights come next.
+inline void prefetch_page(const uint16_t* k_cache, const uint16_t* v_cache, const Item& it,
+                          int64_t p, int64_t block_size, int64_t row, int64_t head_dim) {
+  const int64_t start = (it.table[p] * block_size) * row + it.h0 * head_dim;
+  const int64_t n = std::min(block_size, it.len - p * block_size);
+  const int64_t span = (it.h1 - it.h0) * head_dim * 2;  // bytes of one token's rows
+  const char* kn = reinterpret_cast<const char*>(k_cache + start);
+  const char* vn = reinterpret_cast<const char*>(v_cache + start);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t b = 0; b < span; b += 64) {
+      _mm_prefetch(kn + t * row * 2 + b, _MM_HINT_NTA);
+      _mm_prefetch(vn + t * row * 2 + b, _MM_HINT_NTA);
+    }
+}
+
+// One item and its G query heads a KV head; q / out point at the sequence's row. While a
+// page computes, the next is fetched. Fetching two ahead, or the first pages of the thread's
+// next item too, measured no faster in the engine (tenth session): cold, the op reads its
+// scattered pages about as fast as a torch index_select copies them.
+template <int C, int G>
+void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                const Item& it, int64_t block_size, int64_t kv_heads, float scale,
+                uint16_t* out, int64_t q_head_stride, int64_t out_head_stride) {
+  constexpr int HD = 32 * C;
+  const int64_t row = kv_heads * HD;  // elements between two token slots
+  const int64_t h0 = it.h0, nkv = it.h1 - it.h0;
+  const int32_t* table = it.table;
+  thread_local std::vector<HeadState<C, G>> states;
+  thread_local std::vector<__m512i> qs;
+  states.resize(nkv);
+  qs.resize(nkv * G * C);
+  for (int64_t hk = 0; hk < nkv; ++hk) {
+    for (int j = 0; j < G; ++j) {
+      const uint16_t* qh = q + ((h0 + hk) * G + j) * q_head_stride;
+      for (int c = 0; c < C; ++c) qs[(hk * G + j) * C + c] = _mm512_loadu_si512(qh + 32 * c);
+      states[hk].m[j] = -std::numeric_limits<float>::infinity();
+      states[hk].l[j] = 0.0f;
+      std::fill(states[hk].acc[j], states[hk].acc[j] + HD, 0.0f);
+    }
+  }
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t pages = (it.len + block_size - 1) / block_size;
+  for (int64_t p = 0; p < pages; ++p) {
+    const int64_t start = p * block_size, n = std::min(block_size, it.len - start);
+    if (p + 1 < pages) prefetch_page(k_cache, v_cache, it, p + 1, block_size, row, HD);
+    const int64_t page = table[p];
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int64_t ns = std::min<int64_t>(16, n - t0);
+      const __mmask16 live = static_cast<__mmask16>((1u << ns) - 1);
+      for (int64_t hk = 0; hk < nkv; ++hk) {
+        const uint16_t* kp = k_cache + (page * block_size + t0) * row + (h0 + hk) * HD;
+        const uint16_t* vp = v_cache + (page * block_size + t0) * row + (h0 + hk) * HD;
+        HeadState<C, G>& st = states[hk];
+        alignas(64) float probs[G][16];
+        float alpha[G];
+        for (int j = 0; j < G; ++j) {
+          __m512 s = _mm512_mul_ps(scores16<C>(&qs[(hk * G + j) * C], kp, row),
+                                   _mm512_set1_ps(scale));
+          s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s);
+          const float m_new = std::max(st.m[j], _mm512_reduce_max_ps(s));
+          alpha[j] = exp_clamped(st.m[j] - m_new);  // ~0 on the first page (m = -inf)
+          _mm512_store_ps(probs[j], _mm512_sub_ps(s, _mm512_set1_ps(m_new)));
+#pragma omp simd
+          for (int t = 0; t < 16; ++t) probs[j][t] = exp_clamped(probs[j][t]);
+          const __m512 e = _mm512_maskz_mov_ps(live, _mm512_load_ps(probs[j]));
+          st.l[j] = st.l[j] * alpha[j] + _mm512_reduce_add_ps(e);
+          st.m[j] = m_new;
+        }
+        for (int c = 0; c < C; ++c) {
+          __m512 even[G], odd[G];
+          for (int j = 0; j < G; ++j) {
+            const __m512 a = _mm512_set1_ps(alpha[j]);
+            even[j] = _mm512_mul_ps(_mm512_load_ps(st.acc[j] + 32 * c), a);
+            odd[j] = _mm512_mul_ps(_mm512_load_ps(st.acc[j] + 32 * c + 16), a);
+          }
+          for (int64_t t = 0; t < ns; ++t) {
+            const __m512i x = _mm512_loadu_si512(vp + t * row + 32 * c);
+            const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+            const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(x, odd_mask));
+            for (int j = 0; j < G; ++j) {
+              const __m512 pj = _mm512_set1_ps(probs[j][t]);
+              even[j] = _mm512_fmadd_ps(pj, ve, even[j]);
+              odd[j] = _mm512_fmadd_ps(pj, vo, odd[j]);
+            }
+          }
+          for (int j = 0; j < G; ++j) {
+            _mm512_store_ps(st.acc[j] + 32 * c, even[j]);
+            _mm512_store_ps(st.acc[j] + 32 * c + 16, odd[j]);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t hk = 0; hk < nkv; ++hk)
+    for (int j = 0; j < G; ++j) {
+      const HeadState<C, G>& st = states[hk];
+      uint16_t* oh = out + ((h0 + hk) * G + j) * out_head_stride;
+      const float inv = 1.0f / st.l[j];
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < 16; ++i) {
+          oh[32 * c + 2 * i] = tritonserve_vec::float_to_bf16(st.acc[j][32 * c + i] * inv);
+          oh[32 * c + 2 * i + 1] = tritonserve_vec::float_to_bf16(st.acc[j][32 * c + 16 + i] * inv);
+        }
+    }
+}
+
+// the instance for a head size and group, or nullptr when none is built (the caller's
+// portable path then runs)
+using SeqFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const Item&, int64_t,
+                       int64_t, float, uint16_t*, int64_t, int64_t);
+
+template <int C>
+inline SeqFn pick_group(int64_t group) {
+  switch (group) {
+    case 1: return decode_seq<C, 1>;
+    case 2: return decode_seq<C, 2>;
+    case 3: return decode_seq<C, 3>;
+    case 4: return decode_seq<C, 4>;
+    case 5: return decode_seq<C, 5>;
+    case 6: return decode_seq<C, 6>;
+    case 7: return decode_seq<C, 7>;
+    case 8: return decode_seq<C, 8>;
+    default: return nullptr;
+  }
+}
+
+inline SeqFn pick(int64_t head_dim, int64_t group, int64_t block_size) {
+  if (block_size % 16 != 0) return nullptr;
+  if (head_dim == 64) return pick_group<2>(group);
+  if (head_dim == 128) return pick_group<4>(group);
+  return nullptr;
+}
+
+}  // namespace tritonserve_decode_bf16
+#endif
