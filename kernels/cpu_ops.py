@@ -26,7 +26,8 @@ from .cache import cache_root
 log = logging.getLogger("kernels")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_decode.cpp", "fused_ops.cpp", "linear.cpp", "linear_bf16.cpp")]
+           for name in ("paged_decode.cpp", "fused_ops.cpp", "linear.cpp", "linear_bf16.cpp",
+                        "sampling.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / name for name in ("vec_math.h", "paged_decode_bf16.h")]  # staged beside them, not compiled
 # -O3 with -march=native lets the compiler vectorise the head_dim loops for this CPU (AVX2 /
 # AVX-512); the cache directory is per machine, so the native build is never shared.
@@ -116,6 +117,10 @@ def _register_fake() -> None:
     def _(x, panels, n, bias):
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("tritonserve::sample_softmax")
+    def _(logits, temperature, seeds):
+        return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
 
 def paged_decode_attention():
     """torch.ops.tritonserve.paged_decode_attention(q, k_cache, v_cache, block_tables,
@@ -154,6 +159,14 @@ def packed_linear_bf16():
     return torch.ops.tritonserve.pack_linear_weight_bf16, torch.ops.tritonserve.packed_linear_bf16
 
 
+def sample_softmax():
+    """torch.ops.tritonserve.sample_softmax(logits [B, V] fp32, temperature [B] fp32, seeds
+    [B] int64) -> tokens [B] int64 (kernels/cpu/sampling.cpp): kernels.reference.sample for
+    rows with no top-k, top-p or min-p (temperature 0: argmax), reading each row three times
+    and writing nothing [B, V]. None when the library is unavailable."""
+    return torch.ops.tritonserve.sample_softmax if load() else None
+
+
 def main() -> int:
     """python -m kernels.cpu_ops: build now (scripts/bootstrap.sh calls this)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -164,3 +177,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import reference
+from kernels import cpu_ops, reference
 
 SAMPLERS = {"triton": kernels.sample, "torch": reference.sample}
 # chi-square 0.999 quantiles by degrees of freedom (fixed seeds: the test is deterministic)
@@ -160,3 +160,64 @@ def test_seeded_uniforms_are_counter_based():
     counts = torch.histc(u.float(), bins=10, min=0, max=1)
     chi2 = float(((counts - 2000) ** 2 / 2000).sum())
     assert chi2 < 27.88  # 9 dof, 0.999
+
+
+CPP_DRAW = cpu_ops.sample_softmax()
+needs_cpp = pytest.mark.skipif(CPP_DRAW is None, reason="no C++ toolchain: the torch path serves")
+
+
+@needs_cpp
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+def test_cpp_softmax_draw_follows_the_distribution(temperature):
+    """kernels/cpu/sampling.cpp (the CPU's draw for rows that filter nothing): chi-square
+    against softmax(logits / T), and a banned (-inf) token is never drawn."""
+    vocab, draws = 16, 4000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(5)) * 1.5
+    logits[3] = float("-inf")
+    target = torch.softmax(logits.double() / temperature, dim=-1)
+    temps, _, _, _, seeds = params(draws, temperature)
+    tokens = CPP_DRAW(logits.expand(draws, vocab).contiguous(), temps, seeds)
+    assert tokens.dtype == torch.int64 and not bool((tokens == 3).any())
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    kept = (target > 0).nonzero().squeeze(1)
+    expected = target[kept] * draws
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_999[len(kept) - 1], f"chi2 {chi2:.1f}"
+
+
+@needs_cpp
+def test_cpp_softmax_draw_is_the_reference_draw():
+    """Same uniform (the row's seed), same inverse-CDF rule: the C++ draw and the torch path
+    pick the same token, a 49k vocabulary, greedy rows included (the first maximum). Their
+    fp32 roundings differ, so a uniform within ~1e-7 of a CDF step could split them: none did
+    in these 1,920 draws; two are allowed so another CPU's rounding does not fail the test."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 49152, generator=gen) * 3).bfloat16().float()  # ties, as served
+    mismatches = 0
+    for trial in range(30):
+        seeds = torch.randint(0, 1 << 62, (64,), generator=gen)
+        temps = torch.rand(64, generator=gen) * 1.5 + 0.1
+        temps[:4], temps[4:8] = 0.0, 1.0
+        _, top_k, top_p, min_p, _ = params(64)
+        want = reference.sample(logits, temps, top_k, top_p, min_p, seeds)
+        got = CPP_DRAW(logits, temps, seeds)
+        assert torch.equal(got[:4], logits[:4].argmax(dim=-1))
+        mismatches += int((got != want).sum())
+    assert mismatches <= 2
+
+
+@needs_cpp
+def test_cpp_softmax_draw_rows_are_independent():
+    logits = torch.randn(24, 500, generator=torch.Generator().manual_seed(2))
+    temps, _, _, _, seeds = params(24, 0.9)
+    first = CPP_DRAW(logits, temps, seeds)
+    assert torch.equal(first, CPP_DRAW(logits, temps, seeds))
+    assert int(CPP_DRAW(logits[5:6], temps[5:6], seeds[5:6])[0]) == int(first[5])
+    assert not torch.equal(first, CPP_DRAW(logits, temps, seeds + 1))
+    # bf16 logits as the model gives them: the draw of their exact fp32 values
+    rounded = logits.bfloat16()
+    assert torch.equal(CPP_DRAW(rounded, temps, seeds), CPP_DRAW(rounded.float(), temps, seeds))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 logits"):
+        CPP_DRAW(logits.half(), temps, seeds)
+    with pytest.raises(RuntimeError, match="seeds"):
+        CPP_DRAW(logits, temps, seeds[:3])

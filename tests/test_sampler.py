@@ -60,6 +60,9 @@ def test_seeded_sampling_ignores_batch_composition(llm):
                     SamplingParams(temperature=0.0, max_tokens=10)]
     outs = llm.generate(crowd, crowd_params)
     assert outs[1].token_ids == alone
+    # the seeded row that filters nothing (on the CPU the C++ draw's row, whatever the rest
+    # of the batch takes) samples alone what it sampled in the crowd
+    assert llm.generate(["def main():"], crowd_params[2])[0].token_ids == outs[2].token_ids
     other_seed = llm.generate(["The quick brown fox"],
                               SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=4321,
                                              max_tokens=10))[0].token_ids

@@ -16,12 +16,14 @@ namespace tritonserve_vec {
 
 // exp(x) for x in any range, clamped to [-87, 88] (below: ~1e-38, above: ~1.6e38; the
 // callers' results do not change there). 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p
-// Taylor to degree 6: relative error < 2e-7, about fp32's rounding.
-inline float exp_clamped(float x) {
+// Taylor to degree 7: the truncation (< 1.1e-8 relative) is below fp32's rounding. Degree 6
+// (1.2e-7) moved a sampled token's CDF by ~6e-8: 1 draw in 2,000 differed from torch's.
+__attribute__((always_inline)) inline float exp_clamped(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = std::nearbyint(x * 1.44269504f);
   const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln2 split in two parts
-  float p = 1.0f / 720;
+  float p = 1.0f / 5040;
+  p = p * r + 1.0f / 720;
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
   p = p * r + 1.0f / 6;
