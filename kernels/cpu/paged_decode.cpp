@@ -14,7 +14,8 @@
 // tokens summed in one shuffle tree (page_scores) 640-657 -> 586-618 (ninth session).
 // bf16 caches on a build with AVX512-BF16 take paged_decode_bf16.h instead (scores by
 // vdpbf16ps on the raw pages, no conversion buffers): warm 0.27 -> 0.13 ms a call, in the
-// engine (batch 64, 64-token prompts) 327 -> 240-290 us (tenth session).
+// engine (batch 64, 64-token prompts) 327 -> 240-290 us; with the next pages asked for
+// spread over the compute (batch 64, 128-token prompts) 460-475 -> 261-264 us (tenth session).
 // Registered as torch.ops.tritonserve.paged_decode_attention (CPU); kernels/cpu_ops.py
 // builds it and registers the fake (shape-only) implementation torch.compile traces with.
 #include <torch/extension.h>
@@ -254,10 +255,26 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
       const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
       auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
-      for_each_item([&](int64_t b, int64_t h0, int64_t h1) {
-        one(q_ptr + b * q_seq_stride, k_ptr, v_ptr,
-            Item{table_ptr + b * table_stride, len_ptr[b], h0, h1}, block_size, kv_heads,
-            static_cast<float>(scale), out_ptr + b * heads * head_dim, q_head_stride, head_dim);
+      auto item_at = [&](int64_t item) {
+        const int64_t b = order[item / split], part = item % split;
+        return Item{table_ptr + b * table_stride, len_ptr[b], part * kv_heads / split,
+                    (part + 1) * kv_heads / split};
+      };
+      const int64_t items = batch * split;
+      std::atomic<int64_t> next{0};
+      at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+        // each thread claims its next item before it runs this one, whose last page then
+        // asks for the next item's first
+        for (int64_t item = next++; item < items;) {
+          const int64_t following = next++;
+          const Item it = item_at(item);
+          const Item after = following < items ? item_at(following) : it;
+          const int64_t b = order[item / split];
+          one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, it, following < items ? &after : nullptr,
+              block_size, kv_heads, static_cast<float>(scale), out_ptr + b * heads * head_dim,
+              q_head_stride, head_dim);
+          item = following;
+        }
       });
       return out;
     }
