@@ -10,8 +10,8 @@ import torch
 
 from engine.attention import TorchAttention
 from kernels import cpu_ops, reference
-from tests.test_kernels_attention import (POISON, close, make_cache, poison_tails,
-                                          scattered_tables)
+from tests.test_kernels_attention import (POISON, PREFILL_CASES, close, make_cache,
+                                          poison_tails, scattered_tables)
 
 op = cpu_ops.paged_decode_attention()
 needs_op = pytest.mark.skipif(op is None, reason="no C++ toolchain: the torch path serves")
@@ -72,6 +72,33 @@ def test_cpu_decode_bf16_is_one_rounding_from_exact(group, block_size, head_dim)
                                              tables, lens, head_dim ** -0.5)
     actual = op(q, k_cache, v_cache, tables, lens, head_dim ** -0.5).double()
     assert ((actual - exact).abs() <= exact.abs() * 2 ** -8 + 1e-5).all()
+
+
+@needs_op
+@pytest.mark.parametrize("group,shapes,block_size,head_dim,dtype", PREFILL_CASES)
+@pytest.mark.parametrize("as_decode", [True, False])
+def test_cpu_prefill_matches_reference(group, shapes, block_size, head_dim, dtype, as_decode,
+                                       monkeypatch):
+    """TorchAttention.prefill on the CPU: chunks up to PREFILL_AS_DECODE_MAX rows run as
+    decode rows of the C++ op (row i of a chunk over its first seq_len - q_len + i + 1
+    tokens: cached prefixes and earlier chunks included), longer ones through SDPA."""
+    import engine.attention as attention
+    if not as_decode:
+        monkeypatch.setattr(attention, "PREFILL_AS_DECODE_MAX", 0)
+    kv_heads = 2
+    seq_lens = [s for _, s in shapes]
+    pool = sum(-(-n // block_size) for n in seq_lens) + 7
+    k_cache, v_cache = make_cache(pool, block_size, kv_heads, head_dim, dtype, "cpu", 6)
+    tables = scattered_tables(seq_lens, block_size, pool, 6)
+    poison_tails(k_cache, v_cache, tables, seq_lens, block_size)
+    q_lens = [q for q, _ in shapes]
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), kv_heads * group, head_dim).to(dtype)
+    expected = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.125)
+    actual = TorchAttention(torch.device("cpu")).prefill(q, k_cache, v_cache, tables, cu, lens,
+                                                         max(q_lens), 0.125)
+    close(actual, expected, dtype)
 
 
 @needs_op
