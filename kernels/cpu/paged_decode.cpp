@@ -237,15 +237,24 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
+  // work(item, following): each thread claims its next item before it runs this one (the
+  // bf16 path asks for the following item's first page during this one's last); following
+  // is -1 when there is none
+  const int64_t items = batch * split;
   auto for_each_item = [&](auto&& work) {
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      for (int64_t item = next++; item < batch * split; item = next++) {
-        const int64_t b = order[item / split], part = item % split;
-        work(b, part * kv_heads / split, (part + 1) * kv_heads / split);
+      for (int64_t item = next++; item < items;) {
+        const int64_t following = next++;
+        work(item, following < items ? following : -1);
+        item = following;
       }
     });
   };
+  // an item's sequence and KV heads [h0, h1)
+  auto seq_of = [&](int64_t item) { return order[item / split]; };
+  auto h0_of = [&](int64_t item) { return item % split * kv_heads / split; };
+  auto h1_of = [&](int64_t item) { return (item % split + 1) * kv_heads / split; };
   const int64_t q_seq_stride = qc.stride(0), q_head_stride = qc.stride(1);
 #ifdef TRITONSERVE_DECODE_BF16
   if (q.scalar_type() == at::kBFloat16) {
@@ -256,25 +265,16 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
       auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
       auto item_at = [&](int64_t item) {
-        const int64_t b = order[item / split], part = item % split;
-        return Item{table_ptr + b * table_stride, len_ptr[b], part * kv_heads / split,
-                    (part + 1) * kv_heads / split};
+        const int64_t b = seq_of(item);
+        return Item{table_ptr + b * table_stride, len_ptr[b], h0_of(item), h1_of(item)};
       };
-      const int64_t items = batch * split;
-      std::atomic<int64_t> next{0};
-      at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-        // each thread claims its next item before it runs this one, whose last page then
-        // asks for the next item's first
-        for (int64_t item = next++; item < items;) {
-          const int64_t following = next++;
-          const Item it = item_at(item);
-          const Item after = following < items ? item_at(following) : it;
-          const int64_t b = order[item / split];
-          one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, it, following < items ? &after : nullptr,
-              block_size, kv_heads, static_cast<float>(scale), out_ptr + b * heads * head_dim,
-              q_head_stride, head_dim);
-          item = following;
-        }
+      for_each_item([&](int64_t item, int64_t following) {
+        const Item it = item_at(item);
+        const Item after = following >= 0 ? item_at(following) : it;
+        const int64_t b = seq_of(item);
+        one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, it, following >= 0 ? &after : nullptr,
+            block_size, kv_heads, static_cast<float>(scale), out_ptr + b * heads * head_dim,
+            q_head_stride, head_dim);
       });
       return out;
     }
@@ -287,10 +287,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     auto one = head_dim == 64 ? decode_seq<scalar_t, 64>
              : head_dim == 128 ? decode_seq<scalar_t, 128> : decode_seq<scalar_t, 0>;
-    for_each_item([&](int64_t b, int64_t h0, int64_t h1) {
+    for_each_item([&](int64_t item, int64_t) {
+      const int64_t b = seq_of(item);
       one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, table_ptr + b * table_stride, len_ptr[b],
-          block_size, kv_heads, head_dim, group, h0, h1, static_cast<float>(scale),
-          out_ptr + b * heads * head_dim, q_head_stride, head_dim);
+          block_size, kv_heads, head_dim, group, h0_of(item), h1_of(item),
+          static_cast<float>(scale), out_ptr + b * heads * head_dim, q_head_stride, head_dim);
     });
   });
   return out;
