@@ -39,24 +39,24 @@ __attribute__((always_inline)) inline float weight(float l, float m, float t) {
   return x < -87.0f ? 0.0f : tritonserve_vec::exp_clamped(x);
 }
 
+using tritonserve_vec::load_f;
+
 // the sum of the weights of l[begin, end), or (w != nullptr) each one stored in w
 template <bool Unit, typename T>
 float chunk_weights(const T* l, int64_t begin, int64_t end, float m, float t, float* w) {
   float s = 0.0f;
   if (w == nullptr) {
 #pragma omp simd reduction(+ : s)
-    for (int64_t i = begin; i < end; ++i) s += weight<Unit>(tritonserve_vec::load_f(l + i), m, t);
+    for (int64_t i = begin; i < end; ++i) s += weight<Unit>(load_f(l + i), m, t);
   } else {
 #pragma omp simd reduction(+ : s)
     for (int64_t i = begin; i < end; ++i) {
-      w[i - begin] = weight<Unit>(tritonserve_vec::load_f(l + i), m, t);
+      w[i - begin] = weight<Unit>(load_f(l + i), m, t);
       s += w[i - begin];
     }
   }
   return s;
 }
-
-using tritonserve_vec::load_f;
 
 template <typename T>
 int64_t draw_row(const T* l, int64_t vocab, float temperature, int64_t seed,
@@ -85,14 +85,16 @@ int64_t draw_row(const T* l, int64_t vocab, float temperature, int64_t seed,
       if (load_f(l + k) == m) return k;  // torch.argmax: the first maximum
     return 0;
   }
-  const bool unit = temperature == 1.0f;
+  auto weights = [&](int64_t begin, int64_t end, float* w) {  // t = 1: no division
+    return temperature == 1.0f ? chunk_weights<true>(l, begin, end, m, temperature, w)
+                               : chunk_weights<false>(l, begin, end, m, temperature, w);
+  };
   const int64_t chunks = (vocab + kChunk - 1) / kChunk;
   cumulative.resize(chunks);
   double total = 0.0;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t end = std::min(vocab, (c + 1) * kChunk);
-    total += unit ? chunk_weights<true>(l, c * kChunk, end, m, temperature, nullptr)
-                  : chunk_weights<false>(l, c * kChunk, end, m, temperature, nullptr);
+    total += weights(c * kChunk, end, nullptr);
     cumulative[c] = total;
   }
   const double target = uniform_from_seed(seed) * total;
@@ -101,10 +103,7 @@ int64_t draw_row(const T* l, int64_t vocab, float temperature, int64_t seed,
   const double before = c > 0 ? cumulative[c - 1] : 0.0;
   const int64_t begin = c * kChunk, end = std::min(vocab, begin + kChunk);
   float w[kChunk];
-  if (unit)
-    chunk_weights<true>(l, begin, end, m, temperature, w);
-  else
-    chunk_weights<false>(l, begin, end, m, temperature, w);
+  weights(begin, end, w);
   double inner_total = 0.0;
   for (int64_t i = 0; i < end - begin; ++i) inner_total += w[i];
   // rounding between the two levels must not push the target past the chunk's last token
