@@ -117,6 +117,10 @@ def _register_fake() -> None:
     def _(x, panels, n, bias):
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("tritonserve::packed_linear_silu_mul_bf16")
+    def _(x, panels):
+        return x.new_empty(x.shape[0], panels.shape[0] * 16)
+
     @torch.library.register_fake("tritonserve::sample_softmax")
     def _(logits, temperature, seeds):
         return logits.new_empty(logits.shape[0], dtype=torch.int64)
@@ -157,6 +161,27 @@ def packed_linear_bf16():
     if not load():
         return None
     return torch.ops.tritonserve.pack_linear_weight_bf16, torch.ops.tritonserve.packed_linear_bf16
+
+
+@functools.cache
+def packed_linear_silu_mul_bf16():
+    """(pack_gate_up_bf16, packed_linear_silu_mul_bf16): the MLP's gate/up matmul with
+    silu(gate) * up in its epilogue, (x [M, K] bf16, panels) -> [M, I]; None when the library
+    is unavailable."""
+    if not load():
+        return None
+    return pack_gate_up_bf16, torch.ops.tritonserve.packed_linear_silu_mul_bf16
+
+
+def pack_gate_up_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A fused gate/up weight [2I, K] bf16 (gate rows first), I a multiple of 16 -> panels for
+    packed_linear_silu_mul_bf16: each panel's 32 columns are 16 gate rows and the same 16 up
+    rows, so one panel's sums give 16 outputs of silu(gate) * up."""
+    inter, k = weight.shape[0] // 2, weight.shape[1]
+    if weight.shape[0] % 32 or weight.dtype != torch.bfloat16:
+        raise ValueError("pack_gate_up_bf16: weight must be bf16 [2I, K] with I % 16 == 0")
+    rows = weight.reshape(2, inter // 16, 16, k).transpose(0, 1).reshape(2 * inter, k)
+    return torch.ops.tritonserve.pack_linear_weight_bf16(rows.contiguous())
 
 
 def sample_softmax():

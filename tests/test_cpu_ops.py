@@ -177,6 +177,43 @@ def test_bf16_panels_refuse_mismatched_inputs():
         product(torch.randn(2, 16), panels, 40, None)
 
 
+@needs_op
+@pytest.mark.parametrize("rows,inter,k", [
+    (1, 48, 64), (1, 16, 301),  # one row: its own loop; odd K
+    (5, 48, 301), (13, 32, 2), (64, 1536, 576),  # one tile, two tiles, SmolLM2's shape
+    (300, 64, 40),  # two row blocks
+])
+def test_bf16_gate_up_epilogue_matches_the_unfused_path(rows, inter, k):
+    """packed_linear_silu_mul_bf16 is the gate/up matmul with silu(gate) * up in its
+    epilogue: the same bf16 roundings as the unfused path (matmul stored in bf16, F.silu in
+    bf16, the product rounded), so every element matches it within one bf16 step, almost all
+    exactly (the two exp implementations may differ in fp32's last bit). Inputs large enough
+    that silu saturates at both ends."""
+    pack, fused = cpu_ops.packed_linear_silu_mul_bf16()
+    generator = torch.Generator().manual_seed(rows * 100 + inter)
+    x = (torch.randn(rows, k, generator=generator) * 3).bfloat16()
+    weight = (torch.randn(2 * inter, k, generator=generator) * 4 / k ** 0.5).bfloat16()
+    out = fused(x, pack(weight))
+    assert out.shape == (rows, inter) and out.dtype == torch.bfloat16
+    pack_plain, product = cpu_ops.packed_linear_bf16()
+    unfused = reference.silu_and_mul(product(x, pack_plain(weight), 2 * inter, None))
+    diff = (out.double() - unfused.double()).abs()
+    step = unfused.double().abs().clamp_min(1e-30).log2().floor().exp2() / 128
+    assert (diff <= step + 1e-30).all()
+    assert diff.gt(0).double().mean() < 1e-3
+
+
+@needs_op
+def test_bf16_gate_up_packing_refuses_what_the_epilogue_cannot_take():
+    pack, fused = cpu_ops.packed_linear_silu_mul_bf16()
+    with pytest.raises(ValueError, match="I % 16"):
+        pack(torch.randn(2 * 24, 8).bfloat16())  # I = 24
+    with pytest.raises(ValueError, match="bf16"):
+        pack(torch.randn(64, 8))
+    with pytest.raises(RuntimeError, match="K = x.size"):
+        fused(torch.randn(3, 10).bfloat16(), pack(torch.randn(64, 8).bfloat16()))
+
+
 def test_backend_falls_back_to_torch_without_the_op(monkeypatch):
     """TRITONSERVE_CPU_OPS=0 (or no toolchain): the backend serves decode with plain torch,
     and both paths give the same attention."""

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.models import ModelArch, WeightLoadError, build_model
+from kernels import cpu_ops
 
 
 def copy_with(tiny_model, tmp_path, edit):
@@ -152,6 +153,31 @@ def test_linear_matches_float64(dtype, tolerance, packed, rows):
         if rows:
             error = (out.double() - expected).abs().max().item()
             assert error <= tolerance * expected.abs().max().item()
+
+
+def test_bf16_mlp_applies_silu_in_the_matmul(tiny_model):
+    """On the CPU in bf16 every MLP's gate/up carries the activation in its epilogue
+    (MLP.fuse_silu) and gives what the unfused gate/up, silu_and_mul, down path gives."""
+    import copy
+
+    from engine.models.decoder import MLP, silu_and_mul
+    model = LLM(tiny_model, dtype="bfloat16").engine.runner.model
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    if cpu_ops.packed_linear_silu_mul_bf16() is None:
+        assert not any(m.silu_in_matmul for m in mlps)
+        pytest.skip("the C++ CPU ops are unavailable")
+    assert mlps and all(m.silu_in_matmul for m in mlps)
+    arch = model.arch
+    plain = MLP(arch).bfloat16()
+    fused = copy.deepcopy(plain)
+    fused.fuse_silu()
+    assert fused.silu_in_matmul and not plain.silu_in_matmul
+    x = torch.randn(9, arch.hidden_size).bfloat16()
+    with torch.inference_mode():
+        expected = plain.down_proj(silu_and_mul(plain.gate_up_proj(x)))
+        torch.testing.assert_close(fused(x), expected, atol=0, rtol=1e-2)
+        fused.fuse_silu()  # a second call changes nothing
+        torch.testing.assert_close(fused(x), expected, atol=0, rtol=1e-2)
 
 
 def test_bfloat16_engine_tracks_float32(tiny_model):

@@ -17,7 +17,8 @@ from kernels import cpu_ops
 
 from ..attention import AttentionBackend, AttentionMetadata
 from .arch import ModelArch, rope_inv_freq
-from .linear import Linear, linear, pack_weight
+from .linear import (Linear, can_fuse_silu, linear, linear_silu_mul, pack_silu_gate_up,
+                     pack_weight)
 
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim] for a step's positions
@@ -142,8 +143,21 @@ class MLP(nn.Module):
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.silu_in_matmul = False  # gate/up packed for linear_silu_mul (fuse_silu)
+
+    def fuse_silu(self) -> None:
+        """CPU bf16 inference: gate/up repacked so that its matmul applies silu(gate) * up in
+        the epilogue (`linear_silu_mul`): one op instead of two, and no [T, 2I] activation;
+        a no-op where the epilogue does not apply."""
+        weight = self.gate_up_proj.weight
+        if self.silu_in_matmul or not can_fuse_silu(weight):
+            return
+        self.gate_up_proj.weight = nn.Parameter(pack_silu_gate_up(weight), requires_grad=False)
+        self.silu_in_matmul = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu_in_matmul:
+            return self.down_proj(linear_silu_mul(x, self.gate_up_proj.weight))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -182,11 +196,14 @@ class DecoderForCausalLM(nn.Module):
 
     def prepack_weights(self, batch_hint: int, traceable: bool = False) -> None:
         """CPU inference: every projection weight in its packed form (`linear.pack_weight`:
-        C++ panels for fp32 and bf16, else oneDNN's blocked layout) in place of the plain one. A
+        C++ panels for fp32 and bf16, else oneDNN's blocked layout; bf16 gate/up with the
+        activation in the matmul, `MLP.fuse_silu`) in place of the plain one. A
         tied lm_head gets a packed copy of the embedding table, which stays plain for the
         lookup. traceable: only forms torch.compile traces (the panels)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
+        for module in self.modules():  # an MLP comes before its Linears
+            if isinstance(module, MLP):
+                module.fuse_silu()
+            elif isinstance(module, Linear):
                 module.pack(batch_hint, traceable)
         if self.arch.tie_word_embeddings:
             self.packed_tied_lm_head = pack_weight(self.embed_tokens.weight, batch_hint,

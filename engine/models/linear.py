@@ -118,13 +118,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def can_fuse_silu(weight: torch.Tensor) -> bool:
+    """A fused gate/up weight [2I, K] the bf16 gate/up epilogue takes (CPU, bf16, I % 16 == 0,
+    library built)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and weight.dim() == 2 and weight.shape[0] % 32 == 0
+            and cpu_ops.packed_linear_silu_mul_bf16() is not None)
+
+
+def pack_silu_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """weight [2I, K] (gate rows, then up rows) -> the panels of `linear_silu_mul`."""
+    return cpu_ops.packed_linear_silu_mul_bf16()[0](weight.detach())
+
+
+def linear_silu_mul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> silu(x @ gate^T) * (x @ up^T) [M, I] from `pack_silu_gate_up` panels: one
+    C++ op, the activation computed in the matmul's epilogue (kernels/cpu/linear_bf16.cpp)."""
+    if not torch.compiler.is_compiling():
+        x = x.contiguous()
+    return torch.ops.tritonserve.packed_linear_silu_mul_bf16(x, panels)
+
+
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.out_features)
 
     def pack(self, batch_hint: int, traceable: bool = False) -> None:
         """CPU inference: the weight in its packed form (`pack_weight`), in place of the plain
-        one; a no-op where no packed form applies."""
+        one; a no-op where no packed form applies or the weight is packed already."""
+        if self.weight.is_mkldnn or is_panels(self.weight):
+            return
         packed = pack_weight(self.weight, batch_hint, traceable)
         if packed is not None:
             self.weight = nn.Parameter(packed, requires_grad=False)

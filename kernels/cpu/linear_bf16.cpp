@@ -20,7 +20,9 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include "vec_math.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define TS_DPBF16 1
 #endif
@@ -29,27 +31,22 @@ namespace {
 
 constexpr int64_t kCols = 32;  // output columns per panel
 constexpr int64_t kBlockBytes = 256 << 10;  // a block of x rows kept in L2 across the panels
-// The first row tile of every block prefetches the weight stream kPrefetchBytes ahead (the
-// hardware prefetcher alone left the first pass over a panel waiting on memory). SmolLM2's 121
-// matmuls weights cold on a 2-core Zen 5, old / new library side by side: M = 4 6.5 -> 5.4-5.9
-// ms, 16 9.4 -> 7.0-7.4, 64 23.0 -> 19.9-20.2, 128-2048 even or 1-4 % faster; one row (its
-// own loop) gained nothing (docs/benchmarks.md, ninth session).
+// Every row tile of a panel asks for its share of the next panel's lines, spread over its
+// pairs (the hardware prefetcher alone left the first pass over a panel waiting on memory).
+// SmolLM2's 121 matmuls weights cold on a 2-core Zen 5, side by side: the first tile alone
+// asking 4 KB ahead gave M = 4 6.5 -> 5.4-5.9 ms, 16 9.4 -> 7.0-7.4, 64 23.0 -> 19.9-20.2
+// (ninth session); that tile then had to fetch a whole panel in a sixth of the panel's time at
+// M = 64 (~96 GB/s for two cores). Spread over every tile: docs/benchmarks.md (eleventh
+// session). One row (its own loop) gained nothing from either.
 constexpr int64_t kPrefetchBytes = 4096;
+struct Ahead {
+  const char* base;  // the next panel
+  uint64_t first;    // this tile's first line, 16.16 fixed point
+  uint64_t rate;     // lines a pair, 16.16
+};
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using tritonserve_vec::bf16_to_float;
+using tritonserve_vec::float_to_bf16;  // round to nearest even; NaN stays NaN
 
 // The pair (x[2j], x[2j + 1]) of row x as one 32-bit word; an odd K's last pair is (x, 0).
 inline uint32_t pair_at(const uint16_t* x, int64_t j, int64_t K) {
@@ -68,27 +65,95 @@ inline void store_row(const float* acc, uint16_t* y, int64_t ncols, const float*
   std::memcpy(y, row, ncols * sizeof(uint16_t));
 }
 
+// The gate/up epilogue: a panel of pack_gate_up_bf16 holds 16 gate columns then the same 16
+// up columns, so y[0:16] = silu(gate) * up with the unfused path's roundings (gate and up
+// rounded to bf16 as the matmul would store them, silu rounded as F.silu's bf16 output, the
+// product rounded once): the activation never goes to memory at [M, 2I].
+inline void store_silu_mul(const float* gate, const float* up, uint16_t* y) {
+  uint16_t out[16];
+  for (int i = 0; i < 16; ++i) {
+    const float g = bf16_to_float(float_to_bf16(gate[i]));
+    const float u = bf16_to_float(float_to_bf16(up[i]));
+    const float act = bf16_to_float(float_to_bf16(g / (1.f + tritonserve_vec::exp_clamped(-g))));
+    out[i] = float_to_bf16(act * u);
+  }
+  std::memcpy(y, out, sizeof out);
+}
+
+// Where a tile's rows go: y (row stride ldy), ncols of the panel's 32 columns, a bias or
+// none; silu: the gate/up epilogue (16 columns out, no bias).
+struct Out {
+  uint16_t* y;
+  int64_t ldy, ncols;
+  const float* bias;
+  bool silu;
+};
+
 #ifdef TS_DPBF16
+// y[0:ncols] = bf16(lo | hi + bias) in registers: vcvtne2ps2bf16 rounds to nearest even as
+// float_to_bf16 does (NaN stays NaN; it reads an fp32 denormal as zero, below bf16's 1e-38
+// floor anyway), one masked store. The scalar loop it replaces was ~400 conversions a 12-row
+// tile against ~3,500 cycles of dot products at K = 576: M = 64, SmolLM2's 121 matmuls
+// cold, A/B in one run: see docs/benchmarks.md (eleventh session).
+// x rounded to bf16 (nearest even) and back
+inline __m512 round_bf16(__m512 x) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// store_silu_mul on registers: exp_clamped's polynomial, 2^n by vscalefps. Through the scalar
+// helper (the loop did not vectorise) the epilogue cost 35 us of a 264 us M = 64 gate/up.
+inline void store_silu_mul_dp(__m512 gate, __m512 up, uint16_t* y) {
+  const __m512 g = round_bf16(gate), u = round_bf16(up);
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g),
+                                               _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x));
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512 e = _mm512_scalef_ps(p, n);  // exp(-g)
+  const __m512 act = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(act, u)));
+}
+
+inline void store_row_dp(__m512 lo, __m512 hi, uint16_t* y, int64_t ncols, const float* bias,
+                         bool silu) {
+  if (silu) {
+    store_silu_mul_dp(lo, hi, y);
+    return;
+  }
+  if (bias) {
+    lo = _mm512_add_ps(lo, _mm512_loadu_ps(bias));
+    hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias + 16));
+  }
+  const __m512i row = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo -> elements 0..15
+  const __mmask32 keep = ncols >= kCols ? ~0u : (1u << ncols) - 1;
+  _mm512_mask_storeu_epi16(y, keep, row);
+}
+
 // R rows of x (row stride ldx) against one panel, all of its kp pairs. 2R accumulators
 // (R <= 12 of the 32 zmm registers) and two panel loads per pair, the x pair folded into
-// vdpbf16ps as a broadcast. Prefetch: the tile that reads the panel first asks for the
-// weight stream ahead (a template argument, as in kernels/cpu/linear.cpp).
-template <int R, bool Prefetch>
+// vdpbf16ps as a broadcast; each pair also asks for the tile's share of the weight stream
+// ahead (`ahead`).
+template <int R>
 inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* panel, int64_t kp,
-                 uint16_t* y, int64_t ldy, int64_t ncols, const float* bias) {
+                 const Out& out, const Ahead& ahead) {
   __m512 lo[R], hi[R];
   for (int m = 0; m < R; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
   // whole pairs read as words; an odd K's last pair through pair_at after the loop (a
   // run-time branch inside it is what kernels/cpu/linear.cpp measured to cost)
   const int64_t full = K / 2;
+  uint64_t line = ahead.first;  // 16.16 fixed point
   for (int64_t j = 0; j < full; ++j) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kCols);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kCols + kCols);
-    if (Prefetch) {  // the pair's two lines, kPrefetchBytes further down the stream
-      const char* ahead = reinterpret_cast<const char*>(panel + j * 2 * kCols) + kPrefetchBytes;
-      __builtin_prefetch(ahead, 0, 3);
-      __builtin_prefetch(ahead + 64, 0, 3);
-    }
+    __builtin_prefetch(ahead.base + (line >> 16) * 64, 0, 3);
+    __builtin_prefetch(ahead.base + ((line + ahead.rate / 2) >> 16) * 64, 0, 3);
+    line += ahead.rate;
     for (int m = 0; m < R; ++m) {
       uint32_t word;
       std::memcpy(&word, x + m * ldx + 2 * j, sizeof word);
@@ -107,19 +172,15 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* pane
       hi[m] = _mm512_dpbf16_ps(hi[m], xs, w1);
     }
   }
-  for (int m = 0; m < R; ++m) {
-    float acc[kCols];
-    _mm512_storeu_ps(acc, lo[m]);
-    _mm512_storeu_ps(acc + 16, hi[m]);
-    store_row(acc, y + m * ldy, ncols, bias);
-  }
+  for (int m = 0; m < R; ++m)
+    store_row_dp(lo[m], hi[m], out.y + m * out.ldy, out.ncols, out.bias, out.silu);
 }
 constexpr int kRows = 12;
 
 // One row (a single decode sequence): memory-bound, so four independent accumulator chains
 // keep vdpbf16ps's latency behind the weight stream.
 inline void row_times_panel(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t kp,
-                            uint16_t* y, int64_t ncols, const float* bias) {
+                            const Out& out) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
   int64_t j = 0;
   for (; j + 1 < K / 2; j += 2) {
@@ -139,19 +200,17 @@ inline void row_times_panel(const uint16_t* x, int64_t K, const uint16_t* panel,
     a0 = _mm512_dpbf16_ps(a0, xs, (__m512bh)_mm512_loadu_si512(p));
     a1 = _mm512_dpbf16_ps(a1, xs, (__m512bh)_mm512_loadu_si512(p + kCols));
   }
-  float acc[kCols];
-  _mm512_storeu_ps(acc, _mm512_add_ps(a0, b0));
-  _mm512_storeu_ps(acc + 16, _mm512_add_ps(a1, b1));
-  store_row(acc, y, ncols, bias);
+  store_row_dp(_mm512_add_ps(a0, b0), _mm512_add_ps(a1, b1), out.y, out.ncols, out.bias,
+               out.silu);
 }
 #else
 typedef float v8 __attribute__((vector_size(32)));
 typedef uint32_t u8 __attribute__((vector_size(32)));
 
 // The portable tile: per k pair, 32 columns as four 8-wide words split into even / odd k.
-template <int R, bool Prefetch>
+template <int R>
 inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* panel, int64_t kp,
-                 uint16_t* y, int64_t ldy, int64_t ncols, const float* bias) {
+                 const Out& out, const Ahead&) {
   v8 acc[R][4] = {};
   for (int64_t j = 0; j < kp; ++j) {
     v8 even[4], odd[4];
@@ -172,45 +231,62 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* pane
   for (int m = 0; m < R; ++m) {
     float row[kCols];
     std::memcpy(row, acc[m], sizeof row);
-    store_row(row, y + m * ldy, ncols, bias);
+    if (out.silu)
+      store_silu_mul(row, row + 16, out.y + m * out.ldy);
+    else
+      store_row(row, out.y + m * out.ldy, out.ncols, out.bias);
   }
 }
 constexpr int kRows = 3;
 
 inline void row_times_panel(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t kp,
-                            uint16_t* y, int64_t ncols, const float* bias) {
-  tile<1, false>(x, K, K, panel, kp, y, 0, ncols, bias);
+                            const Out& out) {
+  tile<1>(x, K, K, panel, kp, out, Ahead{});
 }
 #endif
 
 // tile<rows> for 1 <= rows <= R
-template <bool Prefetch, int R = kRows>
+template <int R = kRows>
 inline void tiles(int64_t rows, const uint16_t* x, int64_t ldx, int64_t K,
-                  const uint16_t* panel, int64_t kp, uint16_t* y, int64_t ldy, int64_t ncols,
-                  const float* bias) {
+                  const uint16_t* panel, int64_t kp, const Out& out, const Ahead& ahead) {
   if constexpr (R > 1) {
     if (rows < R) {
-      tiles<Prefetch, R - 1>(rows, x, ldx, K, panel, kp, y, ldy, ncols, bias);
+      tiles<R - 1>(rows, x, ldx, K, panel, kp, out, ahead);
       return;
     }
   }
-  tile<R, Prefetch>(x, ldx, K, panel, kp, y, ldy, ncols, bias);
+  tile<R>(x, ldx, K, panel, kp, out, ahead);
 }
 
-// rows [0, M) of x against one panel
+// rows [0, M) of x against one panel; out.y is row 0's
 void panel_product(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panel, int64_t kp,
-                   uint16_t* y, int64_t N, int64_t ncols, const float* bias) {
+                   const Out& out) {
   if (M == 1) {
-    row_times_panel(x, K, panel, kp, y, ncols, bias);
+    row_times_panel(x, K, panel, kp, out);
     return;
   }
-  // the first tile prefetches (the panels are contiguous: past this panel's end lies the
-  // next one's start; past the last panel's, a prefetch of nothing, which never faults)
-  int64_t m = std::min<int64_t>(M, kRows);
-  tiles<true>(m, x, K, K, panel, kp, y, N, ncols, bias);
-  for (; m + kRows <= M; m += kRows)
-    tile<kRows, false>(x + m * K, K, K, panel, kp, y + m * N, N, ncols, bias);
-  if (m < M) tiles<false>(M - m, x + m * K, K, K, panel, kp, y + m * N, N, ncols, bias);
+  // Tiles of even height (64 rows: 11, 11, 11, 11, 10, 10, not five of 12 and one of 4, whose
+  // 8 accumulator chains cannot hide vdpbf16ps's latency). Each asks for its share of the next
+  // panel (the panels are contiguous; past the last one's end, a prefetch of nothing, which
+  // never faults).
+  const int64_t count = (M + kRows - 1) / kRows, base = M / count, taller = M % count;
+  // One tile reads the panel once, at the stream's pace: it asks kPrefetchBytes ahead (a whole
+  // panel ahead measured 6 % slower at M = 4).
+  const char* here = reinterpret_cast<const char*>(panel);
+  if (count == 1) {
+    tiles(M, x, K, K, panel, kp, out, Ahead{here + kPrefetchBytes, 0, 2 << 16});
+    return;
+  }
+  const uint64_t lines = static_cast<uint64_t>(kp) * 2 << 16;  // 128 bytes a pair
+  const uint64_t rate = lines / count / std::max<int64_t>(K / 2, 1);
+  const char* next = here + kp * 2 * kCols * sizeof(uint16_t);
+  for (int64_t i = 0, m = 0; i < count; ++i) {
+    const int64_t rows = base + (i < taller ? 1 : 0);
+    Out rows_out = out;
+    rows_out.y += m * out.ldy;
+    tiles(rows, x + m * K, K, K, panel, kp, rows_out, Ahead{next, lines / count * i, rate});
+    m += rows;
+  }
 }
 
 torch::Tensor pack_linear_weight_bf16(const torch::Tensor& weight) {
@@ -224,30 +300,29 @@ torch::Tensor pack_linear_weight_bf16(const torch::Tensor& weight) {
   return padded.view({panels, kCols, kp, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-torch::Tensor packed_linear_bf16(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
-                                 const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
-              "packed_linear_bf16: x must be a contiguous bfloat16 [M, K] matrix");
-  const int64_t M = x.size(0), K = x.size(1), kp = (K + 1) / 2;
+void check_operands(const char* op, const torch::Tensor& x, const torch::Tensor& panels,
+                    int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), op,
+              ": x must be a contiguous bfloat16 [M, K] matrix");
+  const int64_t kp = (x.size(1) + 1) / 2;
   TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kCols && panels.size(3) == 2 &&
                   panels.is_contiguous() && panels.scalar_type() == torch::kBFloat16 &&
                   panels.size(1) == kp,
-              "packed_linear_bf16: panels must come from pack_linear_weight_bf16 with K = "
-              "x.size(1)");
-  TORCH_CHECK(N > (panels.size(0) - 1) * kCols && N <= panels.size(0) * kCols,
-              "packed_linear_bf16: N does not match the number of panels");
-  torch::Tensor bias32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "packed_linear_bf16: bias must have N elements");
-    bias32 = torch::zeros({panels.size(0) * kCols}, x.options().dtype(torch::kFloat32));
-    bias32.narrow(0, 0, N).copy_(bias->reshape({N}));
-  }
-  const float* bias_ptr = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
+              op, ": panels must come from pack_linear_weight_bf16 with K = x.size(1)");
+  TORCH_CHECK(N > (panels.size(0) - 1) * kCols && N <= panels.size(0) * kCols, op,
+              ": N does not match the number of panels");
+}
+
+// x [M, K] against every panel into y: panel p's output columns start at p * out_cols (32,
+// or 16 for the gate/up epilogue), row stride y.size(1).
+void run_panels(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                const float* bias, bool silu, torch::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), kp = (K + 1) / 2;
+  if (M == 0) return;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t ldy = y.size(1), out_cols = silu ? kCols / 2 : kCols;
   // Rows in blocks of about kBlockBytes of x, each passing over all of this thread's panels
   // while it stays in L2 (as kernels/cpu/linear.cpp does, for the same prefill reason).
   const int64_t block = std::max<int64_t>(kRows, kBlockBytes / (K * 2) / kRows * kRows);
@@ -256,12 +331,36 @@ torch::Tensor packed_linear_bf16(const torch::Tensor& x, const torch::Tensor& pa
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       const int64_t rows = std::min(block, M - m0);
       for (int64_t p = p0; p < p1; ++p) {
-        const int64_t col = p * kCols, ncols = std::min(kCols, N - col);
-        panel_product(xp + m0 * K, rows, K, wp + p * panel_elems, kp, yp + m0 * N + col, N,
-                      ncols, bias_ptr ? bias_ptr + col : nullptr);
+        const int64_t col = p * kCols;
+        const Out out{yp + m0 * ldy + p * out_cols, ldy, std::min(kCols, N - col),
+                      bias ? bias + col : nullptr, silu};
+        panel_product(xp + m0 * K, rows, K, wp + p * panel_elems, kp, out);
       }
     }
   });
+}
+
+torch::Tensor packed_linear_bf16(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                                 const c10::optional<torch::Tensor>& bias) {
+  check_operands("packed_linear_bf16", x, panels, N);
+  torch::Tensor bias32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "packed_linear_bf16: bias must have N elements");
+    bias32 = torch::zeros({panels.size(0) * kCols}, x.options().dtype(torch::kFloat32));
+    bias32.narrow(0, 0, N).copy_(bias->reshape({N}));
+  }
+  auto y = torch::empty({x.size(0), N}, x.options());
+  run_panels(x, panels, N, bias32.defined() ? bias32.data_ptr<float>() : nullptr, false, y);
+  return y;
+}
+
+// x [M, K], panels of pack_gate_up_bf16's layout (panel p: gate columns 16p.. then up's) ->
+// silu(x @ gate^T) * (x @ up^T)  [M, I], I = panels * 16.
+torch::Tensor packed_linear_silu_mul_bf16(const torch::Tensor& x, const torch::Tensor& panels) {
+  const int64_t inter = panels.size(0) * (kCols / 2);
+  check_operands("packed_linear_silu_mul_bf16", x, panels, 2 * inter);
+  auto y = torch::empty({x.size(0), inter}, x.options());
+  run_panels(x, panels, 2 * inter, nullptr, true, y);
   return y;
 }
 
@@ -270,9 +369,11 @@ torch::Tensor packed_linear_bf16(const torch::Tensor& x, const torch::Tensor& pa
 TORCH_LIBRARY_FRAGMENT(tritonserve, m) {
   m.def("pack_linear_weight_bf16(Tensor weight) -> Tensor");
   m.def("packed_linear_bf16(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.def("packed_linear_silu_mul_bf16(Tensor x, Tensor panels) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tritonserve, CPU, m) {
   m.impl("pack_linear_weight_bf16", &pack_linear_weight_bf16);
   m.impl("packed_linear_bf16", &packed_linear_bf16);
+  m.impl("packed_linear_silu_mul_bf16", &packed_linear_silu_mul_bf16);
 }
