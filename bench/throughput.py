@@ -5,10 +5,14 @@ python -m bench throughput [--model PATH] [--num-prompts 64] [--output-len 128]
     [--temperature 1.0] [--top-p 1.0]
 
 The engine runs twice: greedy, then with the sampling options (by default the server's
-default sampling, temperature 1.0). transformers runs greedy, same dtype, batched with left
-padding. EOS is ignored so every request produces --output-len tokens. The compute ceiling is measured here with a
-large fp32 matmul (the faster of torch's BLAS and the engine's oneDNN linear); the
-engine's fraction of it is model FLOPs per token x tokens/s over it.
+default sampling, temperature 1.0), each on prompts of its own (same lengths, other random
+tokens), so that neither run finds the other's prompts in the prefix cache (the sampled run
+used to, and read 1.21x greedy for it); the result records the prefix-cache hits of each
+run. transformers runs greedy on the greedy run's prompts, same dtype, batched with left
+padding. EOS is ignored so every request produces --output-len tokens. The compute ceiling is
+measured here with a large matmul in the engine's dtype (the faster of torch's BLAS and the
+engine's oneDNN linear); the engine's fraction of it is model FLOPs per token x tokens/s over
+it.
 """
 from __future__ import annotations
 
@@ -76,13 +80,16 @@ def make_prompts(tokenizer, num: int, lengths: list[int], seed: int) -> list[lis
     return [[rng.choice(vocab[100:]) for _ in range(n)] for n in lengths[:num]]
 
 
-def run_engine(llm, prompts: list[list[int]], params) -> float:
+def run_engine(llm, prompts: list[list[int]], params) -> tuple[float, int]:
+    """(output tok/s, prompt tokens the prefix cache served) of one generate call."""
     output_len = params.max_tokens
+    stats = llm.engine.kv_cache.stats
+    hits_before = stats.hit_tokens
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     assert all(len(o.token_ids) == output_len for o in outs)
-    return len(prompts) * output_len / elapsed
+    return len(prompts) * output_len / elapsed, stats.hit_tokens - hits_before
 
 
 def run_transformers(model_path: str, prompts: list[list[int]], output_len: int,
@@ -120,20 +127,25 @@ def main(argv: list[str] | None = None) -> int:
               cache_bytes=1 << 30)
     model_path = str(llm.engine.model_path)
     lengths = prompt_lengths(args.num_prompts, args.input_len, args.input_range, args.seed)
-    prompts = make_prompts(llm.tokenizer, args.num_prompts, lengths, args.seed)
-    run_engine(llm, prompts[:2], sampling(args, 4))  # warm-up
-    engine_tps = run_engine(llm, prompts, sampling(args, args.output_len, greedy=True))
-    sampled_tps = run_engine(llm, prompts, sampling(args, args.output_len))
-    rates = measure_matmul_gflops()
+    warm, prompts, sampled_prompts = (
+        make_prompts(llm.tokenizer, args.num_prompts, lengths, args.seed + k) for k in (2, 0, 1))
+    run_engine(llm, warm[:2], sampling(args, 4))  # warm-up
+    engine_tps, greedy_hits = run_engine(llm, prompts, sampling(args, args.output_len,
+                                                                greedy=True))
+    sampled_tps, sampled_hits = run_engine(llm, sampled_prompts, sampling(args, args.output_len))
+    dtype = llm.engine.config.torch_dtype
+    rates = measure_matmul_gflops(dtype=dtype)
     gflops = max(rates.values())
     flops_per_token = llm.engine.arch.flops_per_token()
     result = {
         "model": llm.engine.model_name, "num_prompts": args.num_prompts,
         "input_lens": f"{min(lengths)}-{max(lengths)}", "output_len": args.output_len,
         "dtype": args.dtype, "engine_tok_s": round(engine_tps, 1),
+        "prefix_hit_tokens": {"greedy": greedy_hits, "sampled": sampled_hits},
         "sampled": {"temperature": args.temperature, "top_p": args.top_p,
                     "engine_tok_s": round(sampled_tps, 1),
                     "vs_greedy": round(sampled_tps / engine_tps, 3)},
+        "ceiling_dtype": str(dtype).removeprefix("torch."),
         "matmul_gflops": {name: round(rate, 1) for name, rate in rates.items()},
         "engine_fraction_of_ceiling": round(engine_tps * flops_per_token / (gflops * 1e9), 3),
     }
@@ -147,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         result["ratio"] = round(engine_tps / hf_tps, 2)
         print(f"transformers:  {hf_tps:8.1f} output tok/s (batch {args.hf_batch_size})")
         print(f"ratio:         {engine_tps / hf_tps:8.2f}x")
-    print(f"ceiling:       {gflops:8.1f} GFLOP/s fp32 2048^3 matmul (torch mm "
+    print(f"ceiling:       {gflops:8.1f} GFLOP/s {result['ceiling_dtype']} 2048^3 matmul (torch mm "
           f"{rates['torch_mm']:.0f}, engine linear {rates['engine_linear']:.0f}); "
           f"{flops_per_token / 1e6:.0f} MFLOP per token -> engine at "
           f"{result['engine_fraction_of_ceiling']:.1%} of it")

@@ -1,6 +1,7 @@
-"""bench throughput's compute ceiling and bench profile."""
+"""bench throughput's compute ceiling and runs, and bench profile."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -37,3 +38,19 @@ def test_bench_profile_reports_prefill_decode_and_ops(tiny_model):
     assert any(line.startswith("decode:") and "ms per step at batch 4" in line for line in lines)
     assert "Self CPU" in proc.stdout  # the per-op table, its rows named by op namespace
     assert any(ns in proc.stdout for ns in ("aten::", "mkldnn::", "tritonserve::"))
+
+
+@pytest.mark.slow
+def test_bench_throughput_runs_share_no_prompts_and_use_the_runs_dtype(tiny_model, tmp_path):
+    """The sampled run gets prompts of its own (it used to find the greedy run's in the prefix
+    cache and read 1.21x faster for it), and the ceiling is measured in the engine's dtype."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, "-m", "bench", "throughput", "--model", tiny_model,
+                           "--num-prompts", "4", "--input-len", "40", "--output-len", "4",
+                           "--dtype", "bfloat16", "--skip-hf", "--result-json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["prefix_hit_tokens"] == {"greedy": 0, "sampled": 0}
+    assert result["ceiling_dtype"] == "bfloat16"
+    assert "bfloat16 2048^3 matmul" in proc.stdout
