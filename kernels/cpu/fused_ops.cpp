@@ -45,8 +45,7 @@ void silu_and_mul_row(const T* gate, const T* up, T* o, int64_t inner) {
   for (int64_t i = 0; i < inner; ++i) {
     const float g = load_f(gate + i);
     // silu rounded to the dtype first, as F.silu(gate) * up computes it
-    const float s = round_to<T>(g / (1.f + exp_clamped(-g)));
-    store_f(o + i, s * load_f(up + i));
+    store_f(o + i, tritonserve_vec::silu_as<T>(g) * load_f(up + i));
   }
 }
 

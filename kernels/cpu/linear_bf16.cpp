@@ -2,6 +2,8 @@
 //   pack_linear_weight_bf16(weight [N, K] bf16) -> panels [ceil(N / 32), ceil(K / 2), 32, 2]
 //     (panels[p, j, c, i] = weight[32 p + c, 2 j + i]; columns past N and k past K are zero)
 //   packed_linear_bf16(x [M, K] bf16, panels, N, bias?) -> x @ weight^T (+ bias)  [M, N] bf16
+//   packed_linear_silu_mul_bf16(x, panels of a gate/up weight whose rows kernels/cpu_ops.py's
+//     pack_gate_up_bf16 interleaved 16 / 16) -> silu(x @ gate^T) * (x @ up^T)  [M, I] bf16
 // The layout is AVX512-BF16's: one 64-byte load holds 16 columns x 2 k, and one vdpbf16ps
 // adds x[m, 2j] * w[2j, c] + x[m, 2j + 1] * w[2j + 1, c] to 16 fp32 accumulators (the pair of
 // x broadcast as one 32-bit word). A panel (32 columns) is two such loads per k pair. Sums stay
@@ -74,8 +76,7 @@ inline void store_silu_mul(const float* gate, const float* up, uint16_t* y) {
   for (int i = 0; i < 16; ++i) {
     const float g = bf16_to_float(float_to_bf16(gate[i]));
     const float u = bf16_to_float(float_to_bf16(up[i]));
-    const float act = bf16_to_float(float_to_bf16(g / (1.f + tritonserve_vec::exp_clamped(-g))));
-    out[i] = float_to_bf16(act * u);
+    out[i] = float_to_bf16(tritonserve_vec::silu_as<c10::BFloat16>(g) * u);
   }
   std::memcpy(y, out, sizeof out);
 }

@@ -84,6 +84,12 @@ inline float round_to(float f) {
   }
 }
 
+// silu(g) rounded to T, as F.silu's output in T (the activation the MLP multiplies by up)
+template <typename T>
+inline float silu_as(float g) {
+  return round_to<T>(g / (1.f + exp_clamped(-g)));
+}
+
 typedef float v16 __attribute__((vector_size(64)));  // GCC vectors: one zmm, or two ymm
 
 // a[j] for j < 16 -> out with out[j] = the sum of a[j]'s 16 lanes: a tree of two-source
