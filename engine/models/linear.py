@@ -4,7 +4,9 @@ A CPU weight is used in one of four forms, chosen once at load (`pack_weight`):
 - fp32 with the C++ library: column panels for kernels/cpu/linear.cpp (3-D tensor);
 - bf16 with the C++ library: panels of k pairs for kernels/cpu/linear_bf16.cpp (4-D tensor;
   on a Zen 5 EPYC with AVX512-BF16, 1.2-1.4x oneDNN-prepacked at batch 1, 10-25 % faster to
-  64 rows, even from 128 to 2048: docs/benchmarks.md, ninth session);
+  64 rows, even from 128 to 2048: docs/benchmarks.md, ninth session); an MLP's gate/up the
+  same with its rows interleaved 16 / 16, read by `linear_silu_mul` (the activation in the
+  matmul's epilogue; `pack_silu_gate_up`, chosen by MLP.fuse_silu);
 - otherwise where oneDNN runs the dtype: oneDNN's blocked layout (an mkldnn tensor);
 - otherwise plain [N, K] (fp16, CUDA, no oneDNN): F.linear.
 Measured on this AMD EPYC (AVX2, 2 threads), SmolLM2's 121 decode matmuls with cold weights:
