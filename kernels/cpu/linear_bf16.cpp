@@ -118,9 +118,9 @@ inline void store_silu_mul_dp(__m512 gate, __m512 up, uint16_t* y) {
 
 // y[0:ncols] = bf16(lo | hi + bias) in registers (or the gate/up epilogue): vcvtne2ps2bf16
 // rounds to nearest even as float_to_bf16 does (NaN stays NaN; it reads an fp32 denormal as
-// zero, below bf16's 1e-38 floor anyway), one masked store. The scalar loop it replaces was ~400 conversions a 12-row
-// tile against ~3,500 cycles of dot products at K = 576: M = 64, SmolLM2's 121 matmuls
-// cold, A/B in one run: see docs/benchmarks.md (eleventh session).
+// zero, below bf16's 1e-38 floor anyway), one masked store. The scalar loop it replaces was
+// ~400 conversions a 12-row tile against ~3,500 cycles of dot products at K = 576
+// (docs/benchmarks.md, eleventh session).
 inline void store_row_dp(__m512 lo, __m512 hi, uint16_t* y, int64_t ncols, const float* bias,
                          bool silu) {
   if (silu) {
