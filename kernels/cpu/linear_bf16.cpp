@@ -47,6 +47,15 @@ struct Ahead {
   uint64_t rate;     // lines a pair, 16.16
 };
 
+// An output larger than this (a core's L2) is written with non-temporal stores: it would
+// not stay in L2 for its reader anyway, and the ordinary stores' line fills (read for
+// ownership, 64 B per 32-column row, one per row a panel) queued with the weight stream's
+// prefetches. The tied lm_head (49,152 x 576) then the softmax draw, weights cold, 2-core
+// Zen 5: M = 64 4.82 -> 4.25 ms, 32 2.45 -> 2.19, 16 1.54 -> 1.39, 8 and 4 unchanged; the
+// step's logits phase at batch 64 4.5-4.6 -> 3.9-4.1 ms; a 64 x 64 prefill unchanged
+// (docs/benchmarks.md, twelfth session).
+constexpr int64_t kStreamBytes = 1 << 20;
+
 using tritonserve_vec::bf16_to_float;
 using tritonserve_vec::float_to_bf16;  // round to nearest even; NaN stays NaN
 
@@ -82,12 +91,14 @@ inline void store_silu_mul(const float* gate, const float* up, uint16_t* y) {
 }
 
 // Where a tile's rows go: y (row stride ldy), ncols of the panel's 32 columns, a bias or
-// none; silu: the gate/up epilogue (16 columns out, no bias).
+// none; silu: the gate/up epilogue (16 columns out, no bias); stream: whole aligned rows
+// written non-temporally (kStreamBytes).
 struct Out {
   uint16_t* y;
   int64_t ldy, ncols;
   const float* bias;
   bool silu;
+  bool stream;
 };
 
 #ifdef TS_DPBF16
@@ -122,7 +133,7 @@ inline void store_silu_mul_dp(__m512 gate, __m512 up, uint16_t* y) {
 // ~400 conversions a 12-row tile against ~3,500 cycles of dot products at K = 576
 // (docs/benchmarks.md, eleventh session).
 inline void store_row_dp(__m512 lo, __m512 hi, uint16_t* y, int64_t ncols, const float* bias,
-                         bool silu) {
+                         bool silu, bool stream = false) {
   if (silu) {
     store_silu_mul_dp(lo, hi, y);
     return;
@@ -132,6 +143,10 @@ inline void store_row_dp(__m512 lo, __m512 hi, uint16_t* y, int64_t ncols, const
     hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias + 16));
   }
   const __m512i row = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo -> elements 0..15
+  if (stream && ncols == kCols && (reinterpret_cast<uintptr_t>(y) & 63) == 0) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(y), row);
+    return;
+  }
   const __mmask32 keep = ncols >= kCols ? ~0u : (1u << ncols) - 1;
   _mm512_mask_storeu_epi16(y, keep, row);
 }
@@ -174,7 +189,7 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* pane
     }
   }
   for (int m = 0; m < R; ++m)
-    store_row_dp(lo[m], hi[m], out.y + m * out.ldy, out.ncols, out.bias, out.silu);
+    store_row_dp(lo[m], hi[m], out.y + m * out.ldy, out.ncols, out.bias, out.silu, out.stream);
 }
 constexpr int kRows = 12;
 
@@ -328,16 +343,20 @@ void run_panels(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
   // while it stays in L2 (as kernels/cpu/linear.cpp does, for the same prefill reason).
   const int64_t block = std::max<int64_t>(kRows, kBlockBytes / (K * 2) / kRows * kRows);
   const int64_t panel_elems = kp * 2 * kCols;
+  const bool stream = M * ldy * static_cast<int64_t>(sizeof(uint16_t)) > kStreamBytes;
   at::parallel_for(0, panels.size(0), 2, [&](int64_t p0, int64_t p1) {
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       const int64_t rows = std::min(block, M - m0);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t col = p * kCols;
         const Out out{yp + m0 * ldy + p * out_cols, ldy, std::min(kCols, N - col),
-                      bias ? bias + col : nullptr, silu};
+                      bias ? bias + col : nullptr, silu, stream};
         panel_product(xp + m0 * K, rows, K, wp + p * panel_elems, kp, out);
       }
     }
+#ifdef TS_DPBF16
+    if (stream) _mm_sfence();  // the non-temporal stores visible before the op returns
+#endif
   });
 }
 
