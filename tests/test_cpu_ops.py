@@ -277,3 +277,47 @@ def test_cpu_linear_bench_runs(capsys):
     rows = [line for line in out if line.startswith("M=")]
     assert [r.split(":")[0] for r in rows] == ["M=1", "M=3"]
     assert all("panels (C++)" in r and "GFLOP/s" in r for r in rows)
+
+
+def _op_cases():
+    """(name, op, args) for every C++ op, with small inputs in each dtype it serves."""
+    gen = torch.Generator().manual_seed(8)
+    k_cache, v_cache = make_cache(6, 16, 2, 64, torch.float32, "cpu", 8)
+    tables = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32)
+    lens = torch.tensor([20, 9], dtype=torch.int32)
+    q = torch.randn(2, 6, 64, generator=gen)
+    add_rms_norm, silu_and_mul = cpu_ops.fused_ops()
+    pack, product = cpu_ops.packed_linear()
+    pack16, product16 = cpu_ops.packed_linear_bf16()
+    pack_gate_up, silu_product16 = cpu_ops.packed_linear_silu_mul_bf16()
+    x, w = torch.randn(5, 40, generator=gen), torch.randn(70, 40, generator=gen)
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        cases.append((f"paged_decode_attention {dtype}", op,
+                      (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), tables, lens, 0.125)))
+        cases.append((f"add_rms_norm {dtype}", add_rms_norm,
+                      (x.to(dtype), torch.randn(5, 40, generator=gen).to(dtype),
+                       torch.rand(40, generator=gen).to(dtype), 1e-5)))
+        cases.append((f"silu_and_mul {dtype}", silu_and_mul, (x.to(dtype),)))
+    cases += [
+        ("packed_linear", product, (x, pack(w), 70, torch.randn(70, generator=gen))),
+        ("packed_linear_bf16", product16, (x.bfloat16(), pack16(w.bfloat16()), 70, None)),
+        ("packed_linear_silu_mul_bf16", silu_product16,
+         (x.bfloat16(), pack_gate_up(torch.randn(64, 40, generator=gen).bfloat16()))),
+        ("sample_softmax", cpu_ops.sample_softmax(),
+         (torch.randn(3, 100, generator=gen), torch.ones(3), torch.arange(3))),
+    ]
+    return cases
+
+
+@needs_op
+def test_fake_implementations_agree_with_the_ops():
+    """torch.compile traces each op through its fake implementation, and the compiled step
+    runs without Inductor's size asserts (engine/decode_graphs.py): what the fake says about
+    an output's shape, strides and dtype must be what the op returns, and the schemas must
+    declare what the ops mutate."""
+    for name, fn, args in _op_cases():
+        try:
+            torch.library.opcheck(fn, args, test_utils=("test_schema", "test_faketensor"))
+        except Exception as exc:
+            raise AssertionError(f"{name}: {exc}") from exc

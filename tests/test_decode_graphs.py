@@ -207,3 +207,27 @@ def test_cudagraph_decode_matches_eager(tiny_model, device):
         runs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
     assert calls and max(calls) == 11
     assert runs["cudagraph"] == runs["eager"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_ops_fakes_agree_with_the_ops(dtype):
+    """The compiled step runs without Inductor's size asserts (decode_graphs.py): the
+    attention ops' fake implementations must give the shapes, strides and dtypes the ops
+    return, and store_kv's schema must declare the caches it writes."""
+    from tests.test_kernels_attention import make_cache
+    k_cache, v_cache = make_cache(6, 16, 2, 64, dtype, "cpu", 2)
+    tables = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32)
+    lens = torch.tensor([20, 9], dtype=torch.int32)
+    q = torch.randn(2, 6, 64).to(dtype)
+    kv = torch.randn(2, 2, 64).to(dtype)
+    ops = torch.ops.tritonserve
+    checks = [
+        (ops.store_kv.default, (kv, kv.clone(), k_cache, v_cache,
+                                torch.tensor([50, 3], dtype=torch.int64), "torch")),
+        (ops.decode_attention.default, (q, k_cache, v_cache, tables, lens, 32, 0.125, "torch")),
+        (ops.prefill_attention.default, (torch.randn(5, 6, 64).to(dtype), k_cache, v_cache,
+                                         tables, torch.tensor([0, 3, 5], dtype=torch.int32),
+                                         lens, 3, 0.125, "torch")),
+    ]
+    for op, args in checks:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
