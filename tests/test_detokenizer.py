@@ -116,3 +116,31 @@ def test_possible_stop_prefix_is_held_then_released(tokenizer):
     deltas, tail, matched = stream(tokenizer, ids, stop=["###"])
     assert matched is None
     assert "".join(deltas) + tail == "a#b##c"
+
+
+@given(st.lists(st.integers(0, 49151), max_size=12), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_the_plain_decode_is_the_tokenizers_decode(tokenizer, ids, skip):
+    """The detokenizer's shortcut past transformers' wrapper gives the wrapper's text, for
+    any ids (special tokens included, skipped or not)."""
+    from engine.detokenizer import plain_decode
+    plain = plain_decode(tokenizer)
+    assert plain is not None  # SmolLM2's tokenizer takes it
+    assert plain(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip,
+                                                clean_up_tokenization_spaces=False)
+
+
+def test_a_tokenizer_with_its_own_decode_keeps_it(tokenizer):
+    """A tokenizer class that overrides the decode path is never bypassed."""
+    from engine.detokenizer import plain_decode
+
+    class Shouting(type(tokenizer)):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = Shouting.__new__(Shouting)
+    shouting.__dict__.update(tokenizer.__dict__)
+    assert plain_decode(shouting) is None
+    detok = IncrementalDetokenizer(shouting)
+    ids = tokenizer.encode("hello there")
+    assert "".join(detok.add_token(i) for i in ids) + detok.flush() == "HELLO THERE"
