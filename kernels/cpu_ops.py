@@ -101,6 +101,10 @@ def _register_fake() -> None:
     def _(x):
         return x.new_empty(x.shape[0], x.shape[1] // 2)
 
+    @torch.library.register_fake("tritonserve::rotary_embedding")
+    def _(x, cos, sin):
+        return x.new_empty(x.shape)
+
     @torch.library.register_fake("tritonserve::pack_linear_weight")
     def _(weight):
         return weight.new_empty(-(-weight.shape[0] // 16), weight.shape[1], 16)
@@ -141,6 +145,14 @@ def fused_ops():
     if not load():
         return None
     return torch.ops.tritonserve.add_rms_norm, torch.ops.tritonserve.silu_and_mul
+
+
+@functools.cache
+def rotary_embedding():
+    """torch.ops.tritonserve.rotary_embedding(x [T, heads, D], cos, sin [T, 1, D]) -> rotated
+    x, contiguous (rotate-half rope, fp32 math rounded once); or None when the library is
+    unavailable."""
+    return torch.ops.tritonserve.rotary_embedding if load() else None
 
 
 @functools.cache

@@ -299,6 +299,9 @@ def _op_cases():
                       (x.to(dtype), torch.randn(5, 40, generator=gen).to(dtype),
                        torch.rand(40, generator=gen).to(dtype), 1e-5)))
         cases.append((f"silu_and_mul {dtype}", silu_and_mul, (x.to(dtype),)))
+        cases.append((f"rotary_embedding {dtype}", cpu_ops.rotary_embedding(),
+                      (q.to(dtype)[:, :, :32], torch.randn(2, 1, 32, generator=gen).to(dtype),
+                       torch.randn(2, 1, 32, generator=gen).to(dtype))))
     cases += [
         ("packed_linear", product, (x, pack(w), 70, torch.randn(70, generator=gen))),
         ("packed_linear_bf16", product16, (x.bfloat16(), pack16(w.bfloat16()), 70, None)),
@@ -321,3 +324,29 @@ def test_fake_implementations_agree_with_the_ops():
             torch.library.opcheck(fn, args, test_utils=("test_schema", "test_faketensor"))
         except Exception as exc:
             raise AssertionError(f"{name}: {exc}") from exc
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rotary_embedding_rounds_the_exact_rotation_once(dtype):
+    """The C++ rope reads q / k as the views of the qkv output they are (row stride != heads
+    x D) and returns x * cos + rotate_half(x) * sin computed in fp32 and rounded once: within
+    one rounding step of the float64 rotation of the same inputs."""
+    from engine.models.decoder import RotaryEmbedding
+    rotate = cpu_ops.rotary_embedding()
+    gen = torch.Generator().manual_seed(11)
+    qkv = torch.randn(37, 9 * 64 + 2 * 3 * 64, generator=gen).to(dtype)
+    q = qkv[:, :9 * 64].view(37, 9, 64)
+    angles = torch.rand(37, 1, 64, generator=gen) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    out = rotate(q, cos, sin)
+    assert out.shape == q.shape and out.is_contiguous() and out.dtype == dtype
+    qd, cd, sd = q.double(), cos.double(), sin.double()
+    exact = qd * cd + torch.cat((-qd[..., 32:], qd[..., :32]), dim=-1) * sd
+    ulp = exact.abs().clamp_min(1e-30).log2().floor().exp2() * torch.finfo(dtype).eps
+    assert ((out.double() - exact).abs() <= ulp + 1e-6).all()
+    # the same within a few steps of eager torch's op-by-op roundings (what fp32 still runs)
+    plain = q * cos + torch.cat((-q[..., 32:], q[..., :32]), dim=-1) * sin
+    assert (out.double() - plain.double()).abs().max() <= 4 * ulp.max()
+    if dtype != torch.float32:  # what the decoder takes for its eager CPU rope
+        assert torch.equal(RotaryEmbedding.apply(q, (cos, sin)), out)
