@@ -101,10 +101,10 @@ class DecodeGraphs:
             # took 72 s with it; docs/benchmarks.md)
             # dynamic=None: the dims marked below are symbolic, all else static
             # No size asserts: Inductor's generated code checked the size and strides of
-            # every input and of every custom op's output on each call (~400 a SmolLM2 step,
-            # in Python): batch 1 8.5-8.8 -> 7.7-7.8 ms, batch 64 29.4-29.5 -> 28.4-28.9 ms
-            # on a Zen 5 (docs/benchmarks.md, twelfth session). The inputs are the static
-            # buffers, the caches and the weights this object was built with; the ops' fake
+            # every input and of every custom op's output on each call, from Python: 399
+            # checks a SmolLM2 step at 0.36 us each, ~0.15 ms (2 % of a batch-1 step on a
+            # Zen 5; docs/benchmarks.md, twelfth session). The inputs are the static buffers,
+            # the caches and the weights this object was built with; the ops' fake
             # implementations are checked against the ops by opcheck in the tests.
             self.forward = torch.compile(model, fullgraph=True,
                                          dynamic=None if self.dynamic else False,
