@@ -263,7 +263,20 @@ def test_cpu_decode_bench_runs(capsys):
                             "--kv-heads", "2"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [int(r[0]) for r in rows] == [1, 3]
-    assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows)
+    assert all(float(r[2]) > 0 and float(r[4]) > 0 and float(r[6]) > 0 for r in rows)
+
+
+def test_cpu_decode_bench_engine_layout():
+    """--layout engine: every page gets its own block, prompt pages per sequence in turn,
+    then the later pages interleaved across the sequences."""
+    from bench.cpu_decode import engine_tables
+    tables = engine_tables([3, 5, 6], 2, 40, torch.Generator().manual_seed(0))
+    base = int(tables[0, 0])
+    assert (tables[:, :2] - base).tolist() == [[0, 1], [2, 3], [4, 5]]
+    assert (tables[1:, 2] - base).tolist() == [7, 8] and int(tables[0, 2]) - base == 6
+    assert (tables[1:, 3] - base).tolist() == [9, 10] and int(tables[2, 5]) - base == 13
+    used = [int(tables[r, p]) for r, n in enumerate([3, 5, 6]) for p in range(n)]
+    assert sorted(used) == list(range(base, base + 14)) and base + 14 <= 40
 
 
 def test_cpu_linear_bench_runs(capsys):
