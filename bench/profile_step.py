@@ -2,16 +2,20 @@
 
 python -m bench profile [--model PATH] [--num-prompts 64] [--input-len 100 |
     --input-range 50:400] [--steps 30] [--profile-steps 5] [--rows 15]
-    [--temperature 1.0] [--top-p 1.0] [--greedy]
+    [--temperature 1.0] [--top-p 1.0] [--greedy] [--ab-direct 12]
 
 Adds the prompts, steps until every one is decoding, times --steps decode steps, then runs
 --profile-steps more under torch.profiler and prints the share of each phase of the step
 (prepare, forward, logits, sampler) and the per-op table (self CPU time). Every
-decode-step figure in docs/benchmarks.md was found this way.
+decode-step figure in docs/benchmarks.md was found this way. --ab-direct N (compiled decode)
+then times blocks of N steps with the compiled graph called directly and through Dynamo, in
+the order ABBA ABBA ... (the contexts grow during the run; this order cancels a linear trend),
+and prints each side's median block.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from engine.config import DECODE_MODES, EngineConfig
@@ -34,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
                         choices=DECODE_MODES)
     parser.add_argument("--decode-buckets", default="",
                         help="comma-separated sizes (default: the batch size alone)")
+    parser.add_argument("--ab-direct", type=int, default=0, metavar="N",
+                        help="blocks of N steps: direct graph calls against Dynamo's path")
     args = parser.parse_args(argv)
 
     from torch.profiler import ProfilerActivity, profile
@@ -47,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = llm.engine
     lengths = prompt_lengths(args.num_prompts, args.input_len, args.input_range, args.seed)
     # enough output tokens that nobody finishes during the measured steps
-    params = sampling(args, args.steps + args.profile_steps + 8, greedy=args.greedy)
+    ab_steps = 4 * args.ab_direct * AB_ROUNDS
+    params = sampling(args, args.steps + args.profile_steps + ab_steps + 8, greedy=args.greedy)
     for prompt in make_prompts(llm.tokenizer, args.num_prompts, lengths, args.seed):
         engine.add_request(prompt, params)
 
@@ -84,4 +91,31 @@ def main(argv: list[str] | None = None) -> int:
         f"{name} {phases.get(name, 0.0):.1f} ms ({phases.get(name, 0.0) / profiled_ms:.1%})"
         for name in PHASES))
     print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if args.ab_direct:
+        graphs = engine.runner.graphs
+        if graphs is None or graphs.mode != "compile":
+            print("--ab-direct: the decode is not compiled; nothing to compare")
+            return 1
+        blocks = ab_direct(engine, graphs, args.ab_direct)
+        print(f"direct calls vs Dynamo, {AB_ROUNDS} x ABBA blocks of {args.ab_direct} steps: "
+              + ", ".join(f"{name} {statistics.median(ms):.2f} ms" for name, ms in blocks.items())
+              + " (median block)")
     return 0
+
+
+AB_ROUNDS = 4
+
+
+def ab_direct(engine, graphs, steps: int) -> dict[str, list[float]]:
+    """Median step of each block, direct calls on (A) and off (B), ABBA x AB_ROUNDS."""
+    blocks: dict[str, list[float]] = {"direct": [], "dynamo": []}
+    for on in [True, False, False, True] * AB_ROUNDS:
+        graphs.direct_calls = on
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - start) * 1e3)
+        blocks["direct" if on else "dynamo"].append(statistics.median(times))
+    graphs.direct_calls = True
+    return blocks

@@ -14,7 +14,10 @@ Modes (EngineConfig.decode_mode):
   and a step of 17 rows paid for 24. One graph with an *unbacked* batch size (batch 1 too)
   halved the warm compile (23 -> 11 s), but Inductor fused less around an unbacked size (the
   residual add apart from the RMSNorm, more OpenMP loops a layer): batch 16 steps ran 10-25 %
-  slower, batch 1 10-20 % (docs/benchmarks.md).
+  slower, batch 1 10-20 % (docs/benchmarks.md). A size's first step goes through Dynamo;
+  its later steps call the compiled graph directly with the inputs Dynamo passed it (the
+  same tensors every step: CUDA-graph replay's contract, without the capture), ~1 ms a step
+  less at batch 1, 16 and 64 on a Zen 5 (docs/benchmarks.md, thirteenth session).
 - cudagraph / compile+cudagraph: each bucket captured into a CUDA graph at start-up (after a
   warm-up run that compiles and autotunes the Triton kernels) and replayed every step.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -108,8 +112,12 @@ class DecodeGraphs:
             # implementations are checked against the ops by opcheck in the tests.
             self.forward = torch.compile(model, fullgraph=True,
                                          dynamic=None if self.dynamic else False,
-                                         options={"size_asserts": False})
+                                         backend=_inductor_recording)
         self.runs: dict[int, Callable[[], torch.Tensor]] = {}
+        # size -> the compiled graph called with the inputs Dynamo passed it (see run);
+        # direct_calls False sends every step through Dynamo (bench profile --ab-direct)
+        self.direct: dict[int, Callable[[], torch.Tensor]] = {}
+        self.direct_calls = mode == "compile"
         start = time.perf_counter()
         pool = None
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool
@@ -124,6 +132,7 @@ class DecodeGraphs:
                 if "cudagraph" in mode:
                     run, pool = _capture(run, device, pool)
             self.runs[size] = run
+        _last_call.entry = None  # the build's calls: run() takes its own first call's
         self.build_seconds = time.perf_counter() - start
         log.info("decode %s: %d graphs (batch 1..%d) built in %.1f s", mode, len(self.sizes),
                  self.max_batch, self.build_seconds)
@@ -168,6 +177,9 @@ class DecodeGraphs:
             self.slot_mapping[n:size].fill_(self.null_slot)
             self.block_tables[n:size, 0].fill_(self.null_block)
             self.seq_lens[n:size].fill_(1)
+        direct = self.direct.get(size) if self.direct_calls else None
+        if direct is not None:
+            return direct()[:n]
         run = self.runs.get(size)
         if run is None:  # the dynamic graph at a new size: no compile, a new closure
             run = self.runs[size] = self._make_run(size)
@@ -175,8 +187,44 @@ class DecodeGraphs:
         # that engines of one model share graphs): 0.9 ms a step, 10 % of a batch-1 SmolLM2
         # step on a Zen 5. Every graph this object runs was compiled in __init__, so only the
         # guards that tell the cached graphs apart need to run: 0.15 ms (tenth session).
+        _last_call.entry = None
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return run()[:n]
+            out = run()
+        entry, _last_call.entry = _last_call.entry, None  # held here only: it holds the inputs
+        if self.direct_calls and entry is not None:
+            # Dynamo's graph returns a tuple that its bytecode unpacks: the direct call keeps
+            # the element that is the forward's own return value, when one is
+            call, outputs = entry
+            index = next((i for i, t in enumerate(outputs) if t is out), None)
+            if index is not None:
+                self.direct[size] = lambda: call()[index]
+        return out[:n]
+
+
+class _LastCall(threading.local):
+    entry: tuple[Callable[[], tuple], tuple] | None = None  # (call again, its outputs)
+
+
+_last_call = _LastCall()
+
+
+def _inductor_recording(gm: torch.fx.GraphModule, example_inputs):
+    """Inductor (without its size asserts, see __init__), whose compiled graph notes each call
+    and its inputs in _last_call. A bucket's closure passes the same tensors every step (the
+    static buffers, the caches, the weights; its sizes are fixed), so after its first step
+    DecodeGraphs.run calls the graph with them directly: no Dynamo frame, no guards and no
+    pregraph bytecode gathering ~310 inputs (0.25 + 0.2 ms a step, ~5 % of a batch-1 SmolLM2
+    step on a Zen 5; docs/benchmarks.md, thirteenth session). One function for every engine:
+    Dynamo reuses a graph only for the backend that compiled it."""
+    from torch._inductor.compile_fx import compile_fx
+    compiled = compile_fx(gm, example_inputs, config_patches={"size_asserts": False})
+
+    def call(*args):  # Dynamo calls its backend's graph with the inputs unpacked
+        outputs = compiled(*args)
+        _last_call.entry = (lambda: compiled(*args), outputs)
+        return outputs
+
+    return call
 
 
 def _allow_recompiles(count: int) -> None:

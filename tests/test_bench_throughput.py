@@ -41,6 +41,24 @@ def test_bench_profile_reports_prefill_decode_and_ops(tiny_model):
 
 
 @pytest.mark.slow
+def test_bench_profile_compares_direct_graph_calls_with_dynamo(tiny_model):
+    """--ab-direct: blocks of compiled steps with the direct graph calls on and off, both
+    sides timed; on an eager decode it says there is nothing to compare."""
+    base = [sys.executable, "-m", "bench", "profile", "--model", tiny_model, "--num-prompts",
+            "3", "--input-range", "5:20", "--steps", "2", "--profile-steps", "1", "--rows", "3",
+            "--ab-direct", "2"]
+    proc = subprocess.run(base + ["--decode-mode", "compile"], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("direct calls"))
+    figures = [float(word) for word in line.replace(",", " ").split() if word[0].isdigit()]
+    assert len(figures) == 4 and all(ms > 0 for ms in figures[2:]), line  # rounds, N, 2 sides
+    eager = subprocess.run(base + ["--decode-mode", "eager"], capture_output=True, text=True,
+                           timeout=120)
+    assert eager.returncode == 1 and "nothing to compare" in eager.stdout
+
+
+@pytest.mark.slow
 def test_bench_throughput_runs_share_no_prompts_and_use_the_runs_dtype(tiny_model, tmp_path):
     """The sampled run gets prompts of its own (it used to find the greedy run's in the prefix
     cache and read 1.21x faster for it), and the ceiling is measured in the engine's dtype."""

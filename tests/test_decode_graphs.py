@@ -160,12 +160,14 @@ def test_compiled_decode_matches_transformers(tiny_model, shipped_defaults, tmp_
     assert any(n not in graphs.sizes for n in calls)  # a size between the graphs ran compiled
     assert all(graphs.bucket(n) == n for n in calls)  # at its own size: no padding rows
     assert counters["stats"]["unique_graphs"] - graphs_before == compiled  # no recompile
+    assert set(graphs.direct) == set(calls)  # every size's later steps skipped Dynamo
     assert_parity([o.token_ids for o in outs],
                   hf_greedy(tiny_model, prompts, 12, set(llm.engine.eos_token_ids)))
     other = str(write_tiny_model(tmp_path / "other", seed=1))
     again = LLM(other, dtype="float32", max_num_seqs=4)
     assert counters["stats"]["unique_graphs"] - graphs_before == compiled
     other_outs = again.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    assert again.engine.runner.graphs.direct  # its own inputs: its weights and caches
     assert [o.token_ids for o in other_outs] != [o.token_ids for o in outs]
     assert_parity([o.token_ids for o in other_outs],
                   hf_greedy(other, prompts, 12, set(again.engine.eos_token_ids)))
@@ -189,6 +191,27 @@ def test_compiled_bf16_decode_matches_transformers_in_bf16(tiny_model, shipped_d
     refs = hf_greedy(tiny_model, prompts, 12, set(llm.engine.eos_token_ids), torch.bfloat16)
     ties = assert_parity([o.token_ids for o in outs], refs, TIE_GAP_BF16)
     assert len(ties) <= len(prompts) // 2, ties
+    assert_direct_calls_match_dynamo(graphs)
+
+
+def assert_direct_calls_match_dynamo(graphs: DecodeGraphs) -> None:
+    """A size's steps after its first call the compiled graph with the inputs Dynamo gave it
+    (DecodeGraphs.direct): on the same static buffers both ways give the same hidden states,
+    and new buffer contents reach the direct call (it holds the tensors, not their values)."""
+    assert graphs.direct
+    for size, direct in graphs.direct.items():
+        for seed in (0, 1):  # two sets of token ids, positions inside the first block
+            gen = torch.Generator().manual_seed(seed)
+            graphs.input_ids[:size].copy_(torch.randint(0, 100, (size,), generator=gen))
+            graphs.positions[:size].copy_(torch.randint(0, 4, (size,), generator=gen))
+            graphs.seq_lens[:size].copy_(graphs.positions[:size] + 1)
+            with torch.inference_mode(), torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                through_dynamo = graphs.runs[size]().clone()
+                called = direct().clone()
+            assert torch.equal(called, through_dynamo)
+            if seed == 0:
+                first = called
+        assert not torch.equal(first, called)
 
 
 def test_cudagraph_decode_matches_eager(tiny_model, device):
