@@ -116,12 +116,17 @@ class Sampler:
         device = logits.device
         params = [r.params for r in requests]
         if (self._softmax_draw is not None and masks is None
-                and not all(p.greedy for p in params)
                 and not any(_changes_logits(p) for p in params)
                 and all(r.matcher is None for r in requests)):
             # nothing to apply before the draw: the model's logits as they are (bf16
-            # included; the fp32 copy alone was 0.7 ms of a batch-64 step)
-            token_ids = self._draw(logits, params, self._seeds(requests))
+            # included; the fp32 copy alone was 0.7 ms of a batch-64 step). Greedy rows are
+            # the draw's first argmax, torch.argmax's rule: an all-greedy batch of 64 took
+            # 2.2-2.6 ms through the fp32 copy and torch.argmax, ~0.3 here (docs/benchmarks.md,
+            # thirteenth session); it draws no seeds, so the engine's generator moves as before
+            greedy = all(p.greedy for p in params)
+            seeds = (torch.zeros(len(requests), dtype=torch.int64, device=logits.device) if greedy
+                     else self._seeds(requests))
+            token_ids = self._draw(logits, params, seeds)
             self.state.record(requests, token_ids)
             return self._outputs(token_ids, None, params)
         logits = logits.float()

@@ -207,6 +207,25 @@ def test_cpp_softmax_draw_is_the_reference_draw():
 
 
 @needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 63, 64, 200, 49152])
+def test_cpp_greedy_rows_are_torch_argmax(dtype, vocab):
+    """T = 0 rows: torch.argmax's index (the first maximum) in the one-pass lane search,
+    whatever the vocabulary's remainder after the 64-wide passes: a row of ties, the max in
+    the tail, two maxima in the second half, an all -inf row, and random rows."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(12, vocab, generator=gen) * 3).to(dtype)
+    logits[0] = 1.0
+    logits[1, -1] = 50.0
+    logits[2, vocab // 2:] = 99.0
+    logits[3] = float("-inf")
+    logits[4, vocab - 1 - (vocab // 3)] = 40.0
+    logits[4, vocab // 3] = 40.0
+    got = CPP_DRAW(logits, torch.zeros(12), torch.zeros(12, dtype=torch.int64))
+    assert torch.equal(got, logits.float().argmax(dim=-1))
+
+
+@needs_cpp
 def test_cpp_softmax_draw_rows_are_independent():
     logits = torch.randn(24, 500, generator=torch.Generator().manual_seed(2))
     temps, _, _, _, seeds = params(24, 0.9)

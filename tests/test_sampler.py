@@ -69,6 +69,21 @@ def test_seeded_sampling_ignores_batch_composition(llm):
     assert other_seed != alone
 
 
+def test_greedy_batches_draw_no_seeds(tiny_model):
+    """An all-greedy batch takes the C++ draw's argmax (on the CPU) with no seeds drawn: an
+    unseeded sampled request after greedy ones samples what it samples on a fresh engine of
+    the same seed, and greedy output is torch.argmax's."""
+    sampled = SamplingParams(temperature=1.0, max_tokens=8)
+    fresh = LLM(tiny_model, seed=7).generate(["Paged attention"], sampled)[0].token_ids
+    llm = LLM(tiny_model, seed=7)
+    greedy = llm.generate(["Hello world", "def main():"],
+                          SamplingParams(temperature=0.0, max_tokens=6))
+    assert llm.generate(["Paged attention"], sampled)[0].token_ids == fresh
+    again = LLM(tiny_model, seed=8).generate(["Hello world", "def main():"],
+                                             SamplingParams(temperature=0.0, max_tokens=6))
+    assert [o.token_ids for o in again] == [o.token_ids for o in greedy]
+
+
 def test_logprobs_are_sorted_and_consistent(tiny_model):
     llm = LLM(tiny_model)
     out = llm.generate(["Hello world"], SamplingParams(temperature=0.0, max_tokens=4,
