@@ -213,8 +213,9 @@ def _inductor_recording(gm: torch.fx.GraphModule, example_inputs):
     and its inputs in _last_call. A bucket's closure passes the same tensors every step (the
     static buffers, the caches, the weights; its sizes are fixed), so after its first step
     DecodeGraphs.run calls the graph with them directly: no Dynamo frame, no guards and no
-    pregraph bytecode gathering ~310 inputs (0.25 + 0.2 ms a step, ~5 % of a batch-1 SmolLM2
-    step on a Zen 5; docs/benchmarks.md, thirteenth session). One function for every engine:
+    pregraph bytecode gathering ~310 inputs (profiled 0.25 + 0.2 ms; 0.4-1.5 ms a step in
+    alternated runs at batch 1, 16 and 64 on a Zen 5; docs/benchmarks.md, thirteenth
+    session). One function for every engine:
     Dynamo reuses a graph only for the backend that compiled it."""
     from torch._inductor.compile_fx import compile_fx
     compiled = compile_fx(gm, example_inputs, config_patches={"size_asserts": False})

@@ -121,7 +121,7 @@ class Sampler:
             # nothing to apply before the draw: the model's logits as they are (bf16
             # included; the fp32 copy alone was 0.7 ms of a batch-64 step). Greedy rows are
             # the draw's first argmax, torch.argmax's rule: an all-greedy batch of 64 took
-            # 2.2-2.6 ms through the fp32 copy and torch.argmax, ~0.3 here (docs/benchmarks.md,
+            # 1.6-2.1 ms through the fp32 copy and torch.argmax, 0.07 here (docs/benchmarks.md,
             # thirteenth session); it draws no seeds, so the engine's generator moves as before
             greedy = all(p.greedy for p in params)
             seeds = (torch.zeros(len(requests), dtype=torch.int64, device=logits.device) if greedy

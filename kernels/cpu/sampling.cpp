@@ -65,7 +65,7 @@ float chunk_weights(const T* l, int64_t begin, int64_t end, float m, float t, fl
 // torch.argmax's rule for a greedy row: the first index of the maximum (NaNs aside), in one
 // pass: per lane the value and index of its first maximum, then the smallest index holding
 // the row's max. The max pass then a scalar search for it took 0.71 ms for 64 x 49,152 bf16
-// logits, longer than a draw (0.49 ms); this, 0.3 ms (docs/benchmarks.md, thirteenth session).
+// logits, longer than a draw (0.49 ms); this, 0.07 ms (docs/benchmarks.md, thirteenth session).
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32: the 16 bits shifted up
@@ -80,31 +80,31 @@ int64_t first_argmax(const T* l, int64_t vocab) {
   int64_t first = 0, i = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-  __m512 best[4];
-  __m512i at[4], index[4];
-  for (int c = 0; c < 4; ++c) {
-    best[c] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    at[c] = _mm512_setzero_si512();
-    index[c] = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                                  14, 15), _mm512_set1_epi32(16 * c));
-  }
-  const __m512i step = _mm512_set1_epi32(64);
-  for (; i + 64 <= vocab && i + 64 < (int64_t{1} << 31); i += 64)
+    __m512 best[4];
+    __m512i at[4], index[4];
     for (int c = 0; c < 4; ++c) {
-      const __m512 x = load16(l + i + 16 * c);
-      const __mmask16 more = _mm512_cmp_ps_mask(x, best[c], _CMP_GT_OQ);  // a lane keeps its
-      best[c] = _mm512_mask_mov_ps(best[c], more, x);                     // first maximum
-      at[c] = _mm512_mask_mov_epi32(at[c], more, index[c]);
-      index[c] = _mm512_add_epi32(index[c], step);
+      best[c] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      at[c] = _mm512_setzero_si512();
+      index[c] = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                    14, 15), _mm512_set1_epi32(16 * c));
     }
-  for (int c = 0; c < 4; ++c) {
-    alignas(64) float v[16];
-    alignas(64) int32_t k[16];
-    _mm512_store_ps(v, best[c]);
-    _mm512_store_si512(reinterpret_cast<__m512i*>(k), at[c]);
-    for (int j = 0; j < 16; ++j)
-      if (v[j] > m || (v[j] == m && k[j] < first)) m = v[j], first = k[j];
-  }
+    const __m512i step = _mm512_set1_epi32(64);
+    for (; i + 64 <= vocab && i + 64 < (int64_t{1} << 31); i += 64)
+      for (int c = 0; c < 4; ++c) {
+        const __m512 x = load16(l + i + 16 * c);
+        const __mmask16 more = _mm512_cmp_ps_mask(x, best[c], _CMP_GT_OQ);  // a lane keeps its
+        best[c] = _mm512_mask_mov_ps(best[c], more, x);                     // first maximum
+        at[c] = _mm512_mask_mov_epi32(at[c], more, index[c]);
+        index[c] = _mm512_add_epi32(index[c], step);
+      }
+    for (int c = 0; c < 4; ++c) {
+      alignas(64) float v[16];
+      alignas(64) int32_t k[16];
+      _mm512_store_ps(v, best[c]);
+      _mm512_store_si512(reinterpret_cast<__m512i*>(k), at[c]);
+      for (int j = 0; j < 16; ++j)
+        if (v[j] > m || (v[j] == m && k[j] < first)) m = v[j], first = k[j];
+    }
   }
 #endif
   for (; i < vocab; ++i)  // the tail (or the whole row) after every lane's indices
