@@ -154,7 +154,7 @@ class TorchAttention(AttentionBackend):
             offset = torch.arange(q.shape[0]) - cu_seqlens_q[:-1].long()[seq_of_row]
             lens = seq_lens.long()[seq_of_row] - q_lens[seq_of_row] + offset + 1  # [T]
             return self.cpu_decode(q, k_cache, v_cache, block_tables[seq_of_row],
-                                   lens.to(torch.int32), scale)
+                                   lens.to(torch.int32), scale, cached=True)
         return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                  cu_seqlens_q, seq_lens, scale)
 

@@ -90,7 +90,7 @@ def load() -> bool:
 def _register_fake() -> None:
     """Shape-only implementation, so torch.compile traces through the op."""
     @torch.library.register_fake("tritonserve::paged_decode_attention")
-    def _(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    def _(q, k_cache, v_cache, block_tables, seq_lens, scale, cached=False):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("tritonserve::add_rms_norm")
@@ -132,8 +132,11 @@ def _register_fake() -> None:
 
 def paged_decode_attention():
     """torch.ops.tritonserve.paged_decode_attention(q, k_cache, v_cache, block_tables,
-    seq_lens, scale) -> out, same contract as kernels.reference.paged_decode_attention; or
-    None when the op is unavailable."""
+    seq_lens, scale, cached=False) -> out, same contract as
+    kernels.reference.paged_decode_attention; or None when the op is unavailable. cached=True
+    says the pages were just written (prefill rows): the bf16 kernel then takes the schedule
+    that is faster on cached data and slower on pages read from memory (paged_decode_bf16.h);
+    the result is the same up to fp32 rounding."""
     return torch.ops.tritonserve.paged_decode_attention if load() else None
 
 

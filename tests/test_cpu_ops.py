@@ -57,10 +57,12 @@ def test_cpu_decode_matches_reference(group, seq_lens, block_size, head_dim, dty
 
 
 @needs_op
+@pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("group,block_size,head_dim", [(3, 16, 64), (4, 32, 128), (2, 16, 96)])
-def test_cpu_decode_bf16_is_one_rounding_from_exact(group, block_size, head_dim):
+def test_cpu_decode_bf16_is_one_rounding_from_exact(group, block_size, head_dim, cached):
     """bf16 caches: the op computes in fp32 (on the raw bf16 where the CPU has AVX512-BF16),
-    so each output is the float64 attention of the same bf16 inputs rounded once to bf16."""
+    so each output is the float64 attention of the same bf16 inputs rounded once to bf16,
+    in either schedule of the AVX512-BF16 kernel (`cached`: the one prefill rows take)."""
     seq_lens, kv_heads = [3, 47, 160, 16, 90] * 4, 3  # 20 sequences: whole-sequence items too
     pool = sum(-(-n // block_size) for n in seq_lens) + 5
     k_cache, v_cache = make_cache(pool, block_size, kv_heads, head_dim, torch.bfloat16, "cpu", 5)
@@ -70,7 +72,49 @@ def test_cpu_decode_bf16_is_one_rounding_from_exact(group, block_size, head_dim)
     q = (torch.randn(len(seq_lens), kv_heads * group, head_dim) * 2).bfloat16()
     exact = reference.paged_decode_attention(q.double(), k_cache.double(), v_cache.double(),
                                              tables, lens, head_dim ** -0.5)
-    actual = op(q, k_cache, v_cache, tables, lens, head_dim ** -0.5).double()
+    actual = op(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, cached=cached).double()
+    assert ((actual - exact).abs() <= exact.abs() * 2 ** -8 + 1e-5).all()
+
+
+
+
+@needs_op
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("batch", [1, 2, 20])
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (4, 128)])
+def test_cpu_decode_bf16_rescales_when_the_max_jumps(batch, group, head_dim, cached):
+    """The bf16 kernel keeps a reference max that moves only when a score passes it by more
+    than its slack (8): keys that line up with q more and more, 9 to 11 higher every 16
+    tokens, move it on every group of 16 (and overflow fp32 if it never moved). Batch 1 and 2
+    are one work item per KV head, so in the cached schedule the pending group's weights
+    share the state that is rescaled; at 20 an item is a whole sequence. Each output one
+    bf16 rounding from exact."""
+    block_size, kv_heads, n = 16, 3, 150
+    generator = torch.Generator().manual_seed(7)
+    q = (torch.randn(batch, kv_heads * group, head_dim, generator=generator) * 2).bfloat16()
+    scale = head_dim ** -0.5
+    # key t of a KV head: its first query head's direction times a level that climbs ~10 a
+    # group of 16 tokens (in score units), plus noise
+    direction = q.float().view(batch, kv_heads, group, head_dim)[:, :, 0]
+    direction = direction / (direction.norm(dim=-1, keepdim=True) ** 2 * scale)
+    steps = 9 + 2 * torch.rand(batch, n // 16 + 1, generator=generator)
+    level = steps.cumsum(1).repeat_interleave(16, 1)[:, :n]  # [batch, n]
+    keys = level[:, :, None, None] * direction[:, None] + torch.randn(
+        batch, n, kv_heads, head_dim, generator=generator) * 0.1
+    pages = -(-n // block_size)
+    tables = torch.randperm(batch * pages, generator=generator).int().view(batch, pages)
+    k_cache = torch.zeros(batch * pages, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.randn(batch * pages, block_size, kv_heads, head_dim,
+                          generator=generator).bfloat16()
+    for b in range(batch):
+        k_cache[tables[b]] = torch.nn.functional.pad(
+            keys[b], (0, 0, 0, 0, 0, pages * block_size - n)).view(
+            pages, block_size, kv_heads, head_dim).bfloat16()
+    lens = torch.full((batch,), n, dtype=torch.int32)
+    exact = reference.paged_decode_attention(q.double(), k_cache.double(), v_cache.double(),
+                                             tables, lens, scale)
+    actual = op(q, k_cache, v_cache, tables, lens, scale, cached=cached).double()
+    assert torch.isfinite(actual).all()
     assert ((actual - exact).abs() <= exact.abs() * 2 ** -8 + 1e-5).all()
 
 

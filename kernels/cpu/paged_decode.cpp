@@ -16,6 +16,8 @@
 // vdpbf16ps on the raw pages, no conversion buffers): warm 0.27 -> 0.13 ms a call, in the
 // engine (batch 64, 64-token prompts) 327 -> 240-290 us; with the next pages asked for
 // spread over the compute (batch 64, 128-token prompts) 460-475 -> 261-264 us (tenth session).
+// `cached` (prefill rows, whose pages were just written) picks that kernel's schedule for
+// cached pages; the portable path has one schedule and ignores it.
 // Registered as torch.ops.tritonserve.paged_decode_attention (CPU); kernels/cpu_ops.py
 // builds it and registers the fake (shape-only) implementation torch.compile traces with.
 #include <torch/extension.h>
@@ -209,7 +211,8 @@ void decode_seq(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens, double scale) {
+                                     const torch::Tensor& seq_lens, double scale,
+                                     bool cached) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "q [B, H, D] and caches [blocks, block_size, kv_heads, D] expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -258,7 +261,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t q_seq_stride = qc.stride(0), q_head_stride = qc.stride(1);
 #ifdef TRITONSERVE_DECODE_BF16
   if (q.scalar_type() == at::kBFloat16) {
-    if (auto one = tritonserve_decode_bf16::pick(head_dim, group, block_size)) {
+    if (auto one = tritonserve_decode_bf16::pick(head_dim, group, block_size, cached)) {
       using tritonserve_decode_bf16::Item;
       const auto* q_ptr = reinterpret_cast<const uint16_t*>(qc.data_ptr());
       const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
@@ -301,7 +304,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
 TORCH_LIBRARY(tritonserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, bool cached=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tritonserve, CPU, m) {
