@@ -6,8 +6,9 @@ pool; engine: as the engine's allocator hands them out when every sequence prefi
 decodes together (each sequence's --prompt-pages in turn, then the later pages interleaved
 across the sequences). Between timed calls a buffer larger than the cache is read (--flush),
 as the projections' weights are in the engine, so the op reads cold pages; the warm column
-repeats the call without the flush (what the op's compute alone costs). The machine's own
-read bandwidth is measured in the same run: the op's GB/s is its share.
+repeats the call without the flush (what the op's compute alone costs); the last two columns
+are the same cold and warm for the schedule prefill rows take (`cached=True`). The machine's
+own read bandwidth is measured in the same run: the op's GB/s is its share.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def main(argv: list[str]) -> int:
     print(f"read bandwidth (this run): {read_gbps():.1f} GB/s; threads {torch.get_num_threads()}; "
           f"{args.dtype}, heads {args.heads}/{args.kv_heads} x {args.head_dim}")
     print(f"{'batch':>5} {'KV MB':>7} {'C++ op ms':>10} {'GB/s':>6} {'torch ms':>9} {'speed-up':>8} "
-          f"{'warm ms':>8}")
+          f"{'warm ms':>8} {'cached':>7} {'warm':>7}")
     for batch in (int(b) for b in args.batches.split(",")):
         lens = torch.randint(low, high + 1, (batch,), generator=gen, dtype=torch.int32)
         pages = [-(-int(n) // args.block_size) for n in lens]
@@ -110,7 +111,11 @@ def main(argv: list[str]) -> int:
                                                               scale), args.calls, flush)
         warm_s = _median_s(lambda: op(q, k_cache, v_cache, tables, lens, scale), args.calls,
                            None)
+        # the schedule prefill rows take (cached=True), on cold and on cached pages
+        cached_s, cached_warm_s = (_median_s(lambda: op(q, k_cache, v_cache, tables, lens, scale,
+                                                        cached=True), args.calls, f)
+                                   for f in (flush, None))
         print(f"{batch:>5} {kv_bytes / 1e6:>7.1f} {op_s * 1e3:>10.3f} "
               f"{kv_bytes / op_s / 1e9:>6.1f} {torch_s * 1e3:>9.3f} {torch_s / op_s:>7.2f}x "
-              f"{warm_s * 1e3:>8.3f}")
+              f"{warm_s * 1e3:>8.3f} {cached_s * 1e3:>7.3f} {cached_warm_s * 1e3:>7.3f}")
     return 0

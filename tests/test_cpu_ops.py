@@ -300,14 +300,16 @@ def test_sources_are_staged_once_at_stable_paths(tmp_path):
 
 @needs_op
 def test_cpu_decode_bench_runs(capsys):
-    """`python -m bench cpu-decode` on tiny shapes: a row per batch, the op and torch timed."""
+    """`python -m bench cpu-decode` on tiny shapes: a row per batch, the op (both schedules)
+    and torch timed."""
     from bench import cpu_decode
     assert cpu_decode.main(["--batches", "1,3", "--input-range", "5:40", "--calls", "2",
                             "--flush-mb", "1", "--pool-mb", "1", "--heads", "4",
                             "--kv-heads", "2"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [int(r[0]) for r in rows] == [1, 3]
-    assert all(float(r[2]) > 0 and float(r[4]) > 0 and float(r[6]) > 0 for r in rows)
+    assert all(float(r[2]) > 0 and float(r[4]) > 0 and float(r[6]) > 0 and float(r[7]) > 0
+               and float(r[8]) > 0 for r in rows)
 
 
 def test_cpu_decode_bench_engine_layout():
