@@ -108,20 +108,12 @@ inline __m512 round_bf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// store_silu_mul on registers: exp_clamped's polynomial, 2^n by vscalefps. Through the scalar
-// helper (the loop did not vectorise) the epilogue cost 35 us of a 264 us M = 64 gate/up.
+// store_silu_mul on registers (exp_clamped's polynomial as tritonserve_vec::exp16). Through
+// the scalar helper (the loop did not vectorise) the epilogue cost 35 us of a 264 us M = 64
+// gate/up.
 inline void store_silu_mul_dp(__m512 gate, __m512 up, uint16_t* y) {
   const __m512 g = round_bf16(gate), u = round_bf16(up);
-  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g),
-                                               _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f),
-                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x));
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  const __m512 e = _mm512_scalef_ps(p, n);  // exp(-g)
+  const __m512 e = tritonserve_vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));  // exp(-g)
   const __m512 act = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
                       (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(act, u)));
