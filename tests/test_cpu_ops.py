@@ -59,11 +59,18 @@ def test_cpu_decode_matches_reference(group, seq_lens, block_size, head_dim, dty
 @needs_op
 @pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("group,block_size,head_dim", [(3, 16, 64), (4, 32, 128), (2, 16, 96)])
-def test_cpu_decode_bf16_is_one_rounding_from_exact(group, block_size, head_dim, cached):
+@pytest.mark.parametrize("seq_lens", [
+    [3, 47, 160, 16, 90] * 4,  # 20 sequences: whole-sequence items
+    [2100, 5, 1500, 700] * 3,  # longer than one sweep (512 KB of K + V) of a whole sequence
+    [2100],  # one sequence: an item a KV head, still more than one sweep
+], ids=["short", "long", "one-long"])
+def test_cpu_decode_bf16_is_one_rounding_from_exact(group, block_size, head_dim, seq_lens,
+                                                     cached):
     """bf16 caches: the op computes in fp32 (on the raw bf16 where the CPU has AVX512-BF16),
     so each output is the float64 attention of the same bf16 inputs rounded once to bf16,
-    in either schedule of the AVX512-BF16 kernel (`cached`: the one prefill rows take)."""
-    seq_lens, kv_heads = [3, 47, 160, 16, 90] * 4, 3  # 20 sequences: whole-sequence items too
+    in either schedule of the AVX512-BF16 kernel (`cached`: the one prefill rows take; the
+    streaming one reads the pages in sweeps of kSweepBytes, paged_decode_bf16.h)."""
+    kv_heads = 3
     pool = sum(-(-n // block_size) for n in seq_lens) + 5
     k_cache, v_cache = make_cache(pool, block_size, kv_heads, head_dim, torch.bfloat16, "cpu", 5)
     tables = scattered_tables(seq_lens, block_size, pool, 5)

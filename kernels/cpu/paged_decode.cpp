@@ -2,9 +2,9 @@
 // read in place through the block table (no gather into new tensors, no host read-back).
 //
 // Work item: one sequence with all its heads (at batch >= 4 x threads), else one (sequence,
-// KV head), so that small batches still use every thread. Tokens are taken a page at a time:
-// the page's rows are contiguous, read front to back while the next page is prefetched;
-// scores for the page, then an online-softmax update of the accumulators (flash-decoding's
+// KV head), so that small batches still use every thread. Tokens are taken a page at a time,
+// the pages read into the cache a sweep ahead (page_sweep.h; not for `cached` rows); scores
+// for the page, then an online-softmax update of the accumulators (flash-decoding's
 // recurrence, in fp32 whatever the cache dtype; a bf16/fp16 page is converted once, not once
 // per query head). The value pass runs head by head so each head's accumulator stays in
 // registers. Measured (batch 64, SmolLM2 heads, lengths 50-400, pages scattered, fp32):
@@ -17,7 +17,7 @@
 // engine (batch 64, 64-token prompts) 327 -> 240-290 us; with the next pages asked for
 // spread over the compute (batch 64, 128-token prompts) 460-475 -> 261-264 us (tenth session).
 // `cached` (prefill rows, whose pages were just written) picks that kernel's schedule for
-// cached pages; the portable path has one schedule and ignores it.
+// cached pages; the portable path only skips its sweep.
 // Registered as torch.ops.tritonserve.paged_decode_attention (CPU); kernels/cpu_ops.py
 // builds it and registers the fake (shape-only) implementation torch.compile traces with.
 #include <torch/extension.h>
@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "page_sweep.h"
 #include "paged_decode_bf16.h"
 #include "vec_math.h"
 
@@ -107,7 +108,8 @@ template <typename scalar_t, int HD>
 void decode_seq(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                 const int32_t* table, int64_t seq_len, int64_t block_size,
                 int64_t kv_heads, int64_t head_dim_arg, int64_t group, int64_t h0, int64_t h1,
-                float scale, scalar_t* out, int64_t q_head_stride, int64_t out_head_stride) {
+                float scale, scalar_t* out, int64_t q_head_stride, int64_t out_head_stride,
+                bool cached) {
   const int64_t head_dim = HD > 0 ? HD : head_dim_arg;
   const int64_t heads = (h1 - h0) * group;  // the query heads of kv heads [h0, h1)
   const int64_t row = kv_heads * head_dim;  // elements between two token slots
@@ -120,23 +122,17 @@ void decode_seq(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
     const scalar_t* qh = q + (h0 * group + h) * q_head_stride;
     for (int64_t d = 0; d < head_dim; ++d) qf[h * head_dim + d] = to_float(qh[d]) * scale;
   }
+  const int64_t chunk =
+      tritonserve_sweep::chunk_pages(block_size * (h1 - h0) * head_dim * sizeof(scalar_t));
   for (int64_t start = 0; start < seq_len; start += block_size) {
     const int64_t n = std::min(block_size, seq_len - start);
-    const int64_t page = table[start / block_size];
+    const int64_t p = start / block_size, page = table[p];
     const scalar_t* kp = k_cache + page * block_size * row + h0 * head_dim;
     const scalar_t* vp = v_cache + page * block_size * row + h0 * head_dim;
-    if (start + block_size < seq_len) {  // the next page, while this one computes
-      const int64_t next = table[start / block_size + 1];
-      const int64_t span = (h1 - h0) * head_dim * sizeof(scalar_t);
-      const int64_t nn = std::min(block_size, seq_len - start - block_size);
-      const char* kn = reinterpret_cast<const char*>(k_cache + next * block_size * row + h0 * head_dim);
-      const char* vn = reinterpret_cast<const char*>(v_cache + next * block_size * row + h0 * head_dim);
-      for (int64_t t = 0; t < nn; ++t)
-        for (int64_t b = 0; b < span; b += 64) {
-          __builtin_prefetch(kn + t * row * sizeof(scalar_t) + b);
-          __builtin_prefetch(vn + t * row * sizeof(scalar_t) + b);
-        }
-    }
+    if (!cached && p % chunk == 0)  // the next sweep's pages into the cache (page_sweep.h)
+      tritonserve_sweep::sweep(k_cache, v_cache, table, seq_len, p,
+                               std::min(p + chunk, (seq_len + block_size - 1) / block_size),
+                               block_size, row, h0 * head_dim, (h1 - h0) * head_dim);
     const float* kf_page = page_as_float(kp, kbuf.data(), n, h1 - h0, row, head_dim);
     const float* vf_page = page_as_float(vp, vbuf.data(), n, h1 - h0, row, head_dim);
     const int64_t frow = std::is_same_v<scalar_t, float> ? row : (h1 - h0) * head_dim;
@@ -294,7 +290,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       const int64_t b = seq_of(item);
       one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, table_ptr + b * table_stride, len_ptr[b],
           block_size, kv_heads, head_dim, group, h0_of(item), h1_of(item),
-          static_cast<float>(scale), out_ptr + b * heads * head_dim, q_head_stride, head_dim);
+          static_cast<float>(scale), out_ptr + b * heads * head_dim, q_head_stride, head_dim,
+          cached);
     });
   });
   return out;

@@ -38,6 +38,7 @@
 #include <limits>
 #include <vector>
 
+#include "page_sweep.h"
 #include "vec_math.h"
 
 #define TRITONSERVE_DECODE_BF16 1
@@ -102,11 +103,8 @@ struct Item {
 };
 
 // Ask for the K and V rows of one KV head for `n` token slots from `slot` (`row` elements
-// apart; bytes 0..2 * HD of each): non-temporal, each line is read once and in a served step
-// the weights come next. These requests are what fetches a cold page, and one core keeps
-// only ~32 lines in flight (~8 GB/s at this machine's ~250 ns): a cold call costs about its
-// warm compute plus a plain read of its pages. Fewer rows asked for (to let the hardware
-// streamer fill in), other hints, address order: none faster (fifteenth session).
+// apart; bytes 0..2 * HD of each): non-temporal, each line is read once. The cached schedule
+// only (its pages were just written); the streaming one sweeps instead (page_sweep.h).
 template <int HD>
 inline void prefetch_rows(const uint16_t* k_cache, const uint16_t* v_cache, int64_t slot,
                           int64_t n, int64_t row, int64_t head_offset) {
@@ -171,14 +169,12 @@ inline void value_pass(const Unit<G>& u, HeadState<C, G>& st, int64_t row) {
   }
 }
 
-// One item and its G query heads a KV head; q / out point at the sequence's row. While the
-// rows of one (16 tokens, KV head) compute, the same rows of the next page are asked for:
-// this item's next page, or on its last page the first of `following` (the thread's next
-// item, or nullptr). Spread over the page like this, in the engine (batch 64, 128-token
-// prompts) a call took 460-475 -> 303-309 us, and 306-309 -> 261-264 with the following
-// item's first page (step 40.4-41.3 -> 31.9 ms); the whole next page asked for at once (192
-// lines) measured no faster than no prefetch at all, one or two pages ahead (tenth session).
-// Cached: the schedule (see the top of this file).
+// One item and its G query heads a KV head; q / out point at the sequence's row.
+// Streaming: the item's pages are read in sweeps (page_sweep.h), each then computed from the
+// cache. Cached: while the rows of one (16 tokens, KV head) compute, the
+// same rows of the next page are asked for (this item's next page, or on its last the first
+// of `following`, the thread's next item, or nullptr); for cold pages this spread prefetch
+// took a call 460-475 -> 261-264 us in the tenth session, the sweep goes further.
 template <int C, int G, bool Cached>
 void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                 const Item& it, const Item* following, int64_t block_size, int64_t kv_heads,
@@ -205,9 +201,13 @@ void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
   Unit<G>* pending = nullptr;
   auto values = [&](const Unit<G>& u) { value_pass<Cached, C, G>(u, states[u.hk], row); };
   const int64_t pages = (it.len + block_size - 1) / block_size;
+  const int64_t chunk = tritonserve_sweep::chunk_pages(block_size * nkv * HD * 2);
   for (int64_t p = 0; p < pages; ++p) {
     const int64_t start = p * block_size, n = std::min(block_size, it.len - start);
     const int64_t page = table[p];
+    if (!Cached && p % chunk == 0)
+      tritonserve_sweep::sweep(k_cache, v_cache, table, it.len, p, std::min(pages, p + chunk),
+                               block_size, row, h0 * HD, nkv * HD);
     // the page to ask for: this item's next, or on its last the following item's first
     int64_t next = -1, next_n = 0, next_h0 = h0, next_nkv = nkv;
     if (p + 1 < pages) {
@@ -222,7 +222,7 @@ void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
       for (int64_t hk = 0; hk < nkv; ++hk) {
         const uint16_t* kp = k_cache + (page * block_size + t0) * row + (h0 + hk) * HD;
         HeadState<C, G>& st = states[hk];
-        if (t0 < next_n && hk < next_nkv)
+        if (Cached && t0 < next_n && hk < next_nkv)
           prefetch_rows<HD>(k_cache, v_cache, next * block_size + t0,
                             std::min<int64_t>(16, next_n - t0), row, (next_h0 + hk) * HD);
         Unit<G>& u = pending == &units[0] ? units[1] : units[0];
