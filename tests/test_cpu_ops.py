@@ -262,6 +262,33 @@ def test_bf16_gate_up_epilogue_matches_the_unfused_path(rows, inter, k):
 
 
 @needs_op
+@pytest.mark.parametrize("threads", [2, 3, 5])
+@pytest.mark.parametrize("rows,n", [(1, 70), (64, 1000), (7, 16411)])
+def test_bf16_panels_do_not_depend_on_the_work_split(threads, rows, n):
+    """Decode-sized matmuls hand each thread its panels and let a thread that is done take
+    the others' from their back (linear_bf16.cpp, `take`): whoever computes a panel, every
+    output is the one a single thread writes, and no panel is done twice or skipped (more
+    threads than cores, panel counts that do not split evenly)."""
+    pack, product = cpu_ops.packed_linear_bf16()
+    pack_gate_up, fused = cpu_ops.packed_linear_silu_mul_bf16()
+    generator = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, 96, generator=generator).bfloat16()
+    weight = (torch.randn(n, 96, generator=generator) / 10).bfloat16()
+    gate_up = (torch.randn(2 * 48 * (n // 48 + 1), 96, generator=generator) / 10).bfloat16()
+    panels, gate_up_panels = pack(weight), pack_gate_up(gate_up)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = product(x, panels, n, None), fused(x, gate_up_panels)
+        torch.set_num_threads(threads)
+        for _ in range(3):
+            assert torch.equal(product(x, panels, n, None), expected[0])
+            assert torch.equal(fused(x, gate_up_panels), expected[1])
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_op
 def test_bf16_gate_up_packing_refuses_what_the_epilogue_cannot_take():
     pack, fused = cpu_ops.packed_linear_silu_mul_bf16()
     with pytest.raises(ValueError, match="I % 16"):
