@@ -29,7 +29,7 @@ SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_decode.cpp", "fused_ops.cpp", "linear.cpp", "linear_bf16.cpp",
                         "sampling.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / name  # staged beside them, not compiled
-           for name in ("vec_math.h", "page_sweep.h", "paged_decode_bf16.h")]
+           for name in ("vec_math.h", "page_sweep.h", "paged_decode_bf16.h", "owned_panels.h")]
 # -O3 with -march=native lets the compiler vectorise the head_dim loops for this CPU (AVX2 /
 # AVX-512); the cache directory is per machine, so the native build is never shared.
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it (2x slower on 2 cores); the

@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "owned_panels.h"
+
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));  // GCC/Clang vectors: AVX, NEON, or scalar
@@ -164,17 +166,23 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& panels,
   // panels while it stays in L2 (all M rows per panel re-read x from L3 for every panel:
   // SmolLM2's prefill matmuls at M = 2048 ran 4.1-5.0 s unblocked vs oneDNN's 3.2-3.5 s).
   const int64_t block = std::max<int64_t>(kRows, kBlockBytes / (K * 4) / kRows * kRows);
+  auto product = [&](int64_t m0, int64_t rows, int64_t p) {
+    const int64_t col = p * kPanel, ncols = std::min(kPanel, N - col);
+    float* out = yp + m0 * N + col;
+    panel_product(xp + m0 * K, rows, K, wp + p * K * kPanel, out, N, ncols);
+    if (bias_ptr != nullptr)
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t c = 0; c < ncols; ++c) out[m * N + c] += bias_ptr[col + c];
+  };
+  if (M <= block && at::get_num_threads() > 1) {  // decode batches: one block of rows
+    tritonserve_panels::for_each_owned(panels.size(0), [&](int64_t p) { product(0, M, p); },
+                                       [] {});
+    return y;
+  }
   at::parallel_for(0, panels.size(0), 4, [&](int64_t p0, int64_t p1) {
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       const int64_t rows = std::min(block, M - m0);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t col = p * kPanel, ncols = std::min(kPanel, N - col);
-        float* out = yp + m0 * N + col;
-        panel_product(xp + m0 * K, rows, K, wp + p * K * kPanel, out, N, ncols);
-        if (bias_ptr != nullptr)
-          for (int64_t m = 0; m < rows; ++m)
-            for (int64_t c = 0; c < ncols; ++c) out[m * N + c] += bias_ptr[col + c];
-      }
+      for (int64_t p = p0; p < p1; ++p) product(m0, rows, p);
     }
   });
   return y;

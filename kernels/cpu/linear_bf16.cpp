@@ -19,11 +19,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
+#include "owned_panels.h"
 #include "vec_math.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -323,33 +322,6 @@ void check_operands(const char* op, const torch::Tensor& x, const torch::Tensor&
               ": N does not match the number of panels");
 }
 
-// A thread's panels [front, back) as one word, (back << 32) | front: its owner takes them
-// from the front, a thread done with its own takes the others' from their back, one at a
-// time. Fixed halves do not end together (the OpenMP worker starts after the thread that
-// opens the region; one core may run slower), and the first one done waited. Each thread still
-// streams its own panels front to back: a shared counter handing out 4-panel chunks measured
-// 6 % slower (the other thread took the panels the weight stream had asked for; thirteenth
-// session). SmolLM2's 120 layer matmuls, one process, alternated with the fixed halves, 2-core
-// Zen 5: M = 64 18.7 -> 17.3 ms, M = 1 7.8 -> 7.1, M = 16 unchanged (sixteenth session). A
-// core taken by another process for longer than an op costs the same either way: the thread
-// there still holds the panel it was computing.
-struct alignas(64) Owned {
-  std::atomic<uint64_t> span;
-};
-
-inline bool take(Owned& r, bool front, int64_t& p) {
-  uint64_t s = r.span.load(std::memory_order_relaxed);
-  for (;;) {
-    const uint64_t f = s & 0xffffffffu, b = s >> 32;
-    if (f >= b) return false;
-    const uint64_t t = front ? (b << 32 | (f + 1)) : ((b - 1) << 32 | f);
-    if (r.span.compare_exchange_weak(s, t, std::memory_order_relaxed)) {
-      p = static_cast<int64_t>(front ? f : b - 1);
-      return true;
-    }
-  }
-}
-
 // x [M, K] against every panel into y: panel p's output columns start at p * out_cols (32,
 // or 16 for the gate/up epilogue), row stride y.size(1).
 void run_panels(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
@@ -371,19 +343,9 @@ void run_panels(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                   bias ? bias + col : nullptr, silu, stream};
     panel_product(xp + m0 * K, rows, K, wp + p * panel_elems, kp, out);
   };
-  const int64_t P = panels.size(0), threads = at::get_num_threads();
-  if (M <= block && threads > 1) {  // decode batches: one block of rows, panels owned
-    std::vector<Owned> owned(threads);
-    for (int64_t t = 0; t < threads; ++t)
-      owned[t].span.store(static_cast<uint64_t>((t + 1) * P / threads) << 32 |
-                          static_cast<uint64_t>(t * P / threads));
-    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-      int64_t p;
-      for (int64_t t = t0; t < t1; ++t) {
-        while (take(owned[t], true, p)) product(0, M, p);
-        for (int64_t o = 1; o < threads; ++o)
-          while (take(owned[(t + o) % threads], false, p)) product(0, M, p);
-      }
+  const int64_t P = panels.size(0);
+  if (M <= block && at::get_num_threads() > 1) {  // decode batches: one block of rows
+    tritonserve_panels::for_each_owned(P, [&](int64_t p) { product(0, M, p); }, [&] {
 #ifdef TS_DPBF16
       if (stream) _mm_sfence();  // the non-temporal stores visible before the op returns
 #endif
