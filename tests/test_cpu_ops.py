@@ -266,9 +266,9 @@ def test_bf16_gate_up_epilogue_matches_the_unfused_path(rows, inter, k):
 @pytest.mark.parametrize("rows,n", [(1, 70), (64, 1000), (7, 16411)])
 def test_bf16_panels_do_not_depend_on_the_work_split(threads, rows, n):
     """Decode-sized matmuls hand each thread its panels and let a thread that is done take
-    the others' from their back (linear_bf16.cpp, `take`): whoever computes a panel, every
-    output is the one a single thread writes, and no panel is done twice or skipped (more
-    threads than cores, panel counts that do not split evenly)."""
+    the others' from their back (owned_panels.h): whoever computes a panel, every output is
+    the one a single thread writes, and no panel is skipped (more threads than cores, panel
+    counts that do not split evenly; bf16, its gate/up epilogue, and fp32)."""
     pack, product = cpu_ops.packed_linear_bf16()
     pack_gate_up, fused = cpu_ops.packed_linear_silu_mul_bf16()
     generator = torch.Generator().manual_seed(rows + n)
@@ -276,14 +276,18 @@ def test_bf16_panels_do_not_depend_on_the_work_split(threads, rows, n):
     weight = (torch.randn(n, 96, generator=generator) / 10).bfloat16()
     gate_up = (torch.randn(2 * 48 * (n // 48 + 1), 96, generator=generator) / 10).bfloat16()
     panels, gate_up_panels = pack(weight), pack_gate_up(gate_up)
+    pack32, product32 = cpu_ops.packed_linear()
+    panels32 = pack32(weight.float())
+    ops = [lambda: product(x, panels, n, None), lambda: fused(x, gate_up_panels),
+           lambda: product32(x.float(), panels32, n, None)]
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        expected = product(x, panels, n, None), fused(x, gate_up_panels)
+        expected = [op() for op in ops]
         torch.set_num_threads(threads)
         for _ in range(3):
-            assert torch.equal(product(x, panels, n, None), expected[0])
-            assert torch.equal(fused(x, gate_up_panels), expected[1])
+            for op, out in zip(ops, expected):
+                assert torch.equal(op(), out)
     finally:
         torch.set_num_threads(before)
 
