@@ -21,11 +21,12 @@
 //     heads a chunk: 1,750-2,030 cycles a chunk before this session's changes, 1,250-1,340
 //     now. Each multiply-add taken off the exp chain measured ~3 %: bound by that chain's
 //     latency, not by its instruction count.
-//   streaming (decode rows: the pages come from memory): each unit's value pass at once, one
-//     32-element slice of the head at a time, whose 16 V loads go out back to back. The
+//   streaming (decode rows: the pages come from memory): the item's pages swept into the
+//     cache first (page_sweep.h), then each unit's value pass at once, one 32-element slice
+//     of the head at a time, whose 16 V loads go out back to back. Before the sweep the
 //     cached schedule measured 5-20 % slower than this one on cold pages (fewer misses in
-//     flight); this one 13-25 % slower than it on cached ones (docs/benchmarks.md, fourteenth
-//     session).
+//     flight), this one 13-25 % slower than it on cached ones (fourteenth session); on swept
+//     pages the two measured even (sixteenth).
 // q is bf16 already (the op's input); the scale multiplies the scores, as the portable path
 // scales q in fp32: the two differ by fp32 rounding only.
 #pragma once
