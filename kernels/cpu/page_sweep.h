@@ -6,8 +6,9 @@
 // both paths did until the sixteenth session) keep only ~32 lines in flight a core, ~8 GB/s
 // at this Zen 5's ~250 ns; a burst of plain loads over a few pages, nothing else in the way,
 // runs at the hardware streamer's rate. Swept, then computed from L2: batch 64 x 128-228
-// tokens, bf16, cold, 0.59 -> 0.42-0.47 ms a call; in the engine's decode step 537-625 ->
-// 395-400 us a call, the batch-64 step 50 -> 43.5-46.3 ms (docs/benchmarks.md).
+// tokens, bf16, cold, 0.59-0.70 -> 0.42-0.47 ms a call, fp32 0.97 -> 0.65; in the engine's
+// batch-64 decode step 537-625 -> 395-400 us a call, its share of the step 30-35 -> 25-26 %
+// (docs/benchmarks.md, sixteenth session).
 #pragma once
 
 #include <algorithm>

@@ -172,10 +172,10 @@ inline void value_pass(const Unit<G>& u, HeadState<C, G>& st, int64_t row) {
 
 // One item and its G query heads a KV head; q / out point at the sequence's row.
 // Streaming: the item's pages are read in sweeps (page_sweep.h), each then computed from the
-// cache. Cached: while the rows of one (16 tokens, KV head) compute, the
-// same rows of the next page are asked for (this item's next page, or on its last the first
-// of `following`, the thread's next item, or nullptr); for cold pages this spread prefetch
-// took a call 460-475 -> 261-264 us in the tenth session, the sweep goes further.
+// cache. Cached: while the rows of one (16 tokens, KV head) compute, the same rows of the
+// next page are asked for (this item's next page, or on its last the first of `following`,
+// the thread's next item, or nullptr); on cold pages this spread prefetch took a call
+// 460-475 -> 261-264 us in the tenth session, the sweep goes further.
 template <int C, int G, bool Cached>
 void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                 const Item& it, const Item* following, int64_t block_size, int64_t kv_heads,
