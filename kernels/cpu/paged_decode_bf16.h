@@ -209,11 +209,11 @@ void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
     if (!Cached && p % chunk == 0)
       tritonserve_sweep::sweep(k_cache, v_cache, table, it.len, p, std::min(pages, p + chunk),
                                block_size, row, h0 * HD, nkv * HD);
-    // the page to ask for: this item's next, or on its last the following item's first
+    // cached: the page to ask for, this item's next or on its last the following item's first
     int64_t next = -1, next_n = 0, next_h0 = h0, next_nkv = nkv;
-    if (p + 1 < pages) {
+    if (Cached && p + 1 < pages) {
       next = table[p + 1], next_n = std::min(block_size, it.len - start - block_size);
-    } else if (following != nullptr) {
+    } else if (Cached && following != nullptr) {
       next = following->table[0], next_n = std::min(block_size, following->len);
       next_h0 = following->h0, next_nkv = following->h1 - following->h0;
     }
@@ -223,7 +223,7 @@ void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
       for (int64_t hk = 0; hk < nkv; ++hk) {
         const uint16_t* kp = k_cache + (page * block_size + t0) * row + (h0 + hk) * HD;
         HeadState<C, G>& st = states[hk];
-        if (Cached && t0 < next_n && hk < next_nkv)
+        if (t0 < next_n && hk < next_nkv)  // next_n is 0 unless cached
           prefetch_rows<HD>(k_cache, v_cache, next * block_size + t0,
                             std::min<int64_t>(16, next_n - t0), row, (next_h0 + hk) * HD);
         Unit<G>& u = pending == &units[0] ? units[1] : units[0];
