@@ -64,4 +64,102 @@ inline void sweep(const T* k_cache, const T* v_cache, const int32_t* table, int6
   asm volatile("" : : "m"(sink));  // the loads are kept
 }
 
+// The next sweep's lines asked for while the current one computes: software prefetches in
+// sweep()'s order, a share after each unit of work, so that the sweep at the start of the next
+// chunk finds part of its lines in the cache or on their way. A core keeps only ~32 misses in
+// flight (fifteenth session), so this overlaps a part of the reading with the compute, not
+// all of it. Batch 64 x 64-192 tokens, bf16, cold, alternated: 0.339 -> 0.294 ms a call
+// (faster in 11 of 12 rounds), 0.410 -> 0.345 (9 of 10); in the engine's batch-64 step
+// 339-412 -> 303-308 us a call (docs/benchmarks.md, seventeenth session). Loads instead of
+// prefetches measured 30 % slower (each miss stalls the compute behind it). The AVX512-BF16
+// path uses it; in the portable one (fp32, compute-bound) it measured no gain.
+template <typename T>
+class Ahead {
+ public:
+  // the lines of pages [p0, p1) of `table` (arguments as sweep()'s), none asked for yet
+  void start(const T* k_cache, const T* v_cache, const int32_t* table, int64_t len, int64_t p0,
+             int64_t p1, int64_t block_size, int64_t row, int64_t offset, int64_t span) {
+    k_cache_ = k_cache, v_cache_ = v_cache, table_ = table, len_ = len, p1_ = p1;
+    block_size_ = block_size, row_ = row, offset_ = offset, span_ = span;
+    g_ = p0, t_ = 0, e_ = 0;
+    done_ = p0 >= p1;
+    const int64_t tokens = done_ ? 0 : std::min(len, p1 * block_size) - p0 * block_size;
+    lines_ = tokens * ((span + kLine - 1) / kLine);
+    if (!done_) group();
+  }
+  void stop() { done_ = true, lines_ = 0; }
+  // lines of K (as many of V) that start() covers
+  int64_t lines() const { return lines_; }
+  // ask for the next `count` lines of K and the same lines of V
+  void advance(int64_t count) {
+    while (!done_ && count > 0) {
+      for (int s = 0; s < kPages; ++s)
+        if (t_ < n_[s]) {
+          __builtin_prefetch(k_[s] + t_ * row_ + e_, 0, 3);
+          __builtin_prefetch(v_[s] + t_ * row_ + e_, 0, 3);
+          --count;
+        }
+      if ((e_ += kLine) < span_) continue;
+      e_ = 0;
+      if (++t_ < block_size_) continue;
+      t_ = 0;
+      g_ += kPages;
+      if (g_ >= p1_) done_ = true; else group();
+    }
+  }
+
+ private:
+  static constexpr int64_t kLine = 64 / sizeof(T);
+  void group() {  // the kPages pages from g_
+    for (int s = 0; s < kPages; ++s) {
+      const int64_t p = std::min(g_ + s, p1_ - 1);
+      n_[s] = g_ + s < p1_ ? std::min(block_size_, len_ - p * block_size_) : 0;
+      k_[s] = k_cache_ + int64_t(table_[p]) * block_size_ * row_ + offset_;
+      v_[s] = v_cache_ + int64_t(table_[p]) * block_size_ * row_ + offset_;
+    }
+  }
+  const T* k_cache_ = nullptr;
+  const T* v_cache_ = nullptr;
+  const int32_t* table_ = nullptr;
+  int64_t len_ = 0, p1_ = 0, block_size_ = 0, row_ = 0, offset_ = 0, span_ = 0;
+  int64_t g_ = 0, t_ = 0, e_ = 0, lines_ = 0;  // group of kPages pages, slot, element
+  bool done_ = true;
+  const T* k_[kPages];
+  const T* v_[kPages];
+  int64_t n_[kPages];
+};
+
+// What one work item of a decode attention reads: a sequence's block table and length, and
+// its KV heads [h0, h1).
+struct Item {
+  const int32_t* table;
+  int64_t len, h0, h1;
+};
+
+// Pages one sweep of `it` covers (its heads of `head_dim` elements of T a token slot)
+template <typename T>
+inline int64_t item_chunk(const Item& it, int64_t block_size, int64_t head_dim) {
+  return chunk_pages(block_size * (it.h1 - it.h0) * head_dim * int64_t(sizeof(T)));
+}
+
+// Point `ahead` at the sweep after the one of `it` that ends at page p1: its next chunk, or
+// the first chunk of `following` (the thread's next item; nullptr when there is none).
+template <typename T>
+inline void ask_next(Ahead<T>& ahead, const T* k_cache, const T* v_cache, const Item& it,
+                     const Item* following, int64_t p1, int64_t block_size, int64_t kv_heads,
+                     int64_t head_dim) {
+  const int64_t row = kv_heads * head_dim;
+  const int64_t pages = (it.len + block_size - 1) / block_size;
+  const Item* next = p1 < pages ? &it : following;
+  if (next == nullptr) {
+    ahead.stop();
+    return;
+  }
+  const int64_t from = next == &it ? p1 : 0;
+  const int64_t next_pages = (next->len + block_size - 1) / block_size;
+  const int64_t to = std::min(next_pages, from + item_chunk<T>(*next, block_size, head_dim));
+  ahead.start(k_cache, v_cache, next->table, next->len, from, to, block_size, row,
+              next->h0 * head_dim, (next->h1 - next->h0) * head_dim);
+}
+
 }  // namespace tritonserve_sweep

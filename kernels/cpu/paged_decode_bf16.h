@@ -23,7 +23,8 @@
 //     latency, not by its instruction count.
 //   streaming (decode rows: the pages come from memory): the item's pages swept into the
 //     cache first (page_sweep.h), then each unit's value pass at once, one 32-element slice
-//     of the head at a time, whose 16 V loads go out back to back. Before the sweep the
+//     of the head at a time, whose 16 V loads go out back to back; after each unit a share
+//     of the next sweep's lines is asked for (page_sweep.h's Ahead). Before the sweep the
 //     cached schedule measured 5-20 % slower than this one on cold pages (fewer misses in
 //     flight), this one 13-25 % slower than it on cached ones (fourteenth session); on swept
 //     pages the two measured even (sixteenth).
@@ -97,11 +98,7 @@ struct Unit {
   int64_t hk, n;
 };
 
-// What one work item reads: a sequence's block table and length, and its KV heads [h0, h1).
-struct Item {
-  const int32_t* table;
-  int64_t len, h0, h1;
-};
+using tritonserve_sweep::Item;
 
 // Ask for the K and V rows of one KV head for `n` token slots from `slot` (`row` elements
 // apart; bytes 0..2 * HD of each): non-temporal, each line is read once. The cached schedule
@@ -172,10 +169,11 @@ inline void value_pass(const Unit<G>& u, HeadState<C, G>& st, int64_t row) {
 
 // One item and its G query heads a KV head; q / out point at the sequence's row.
 // Streaming: the item's pages are read in sweeps (page_sweep.h), each then computed from the
-// cache. Cached: while the rows of one (16 tokens, KV head) compute, the same rows of the
-// next page are asked for (this item's next page, or on its last the first of `following`,
-// the thread's next item, or nullptr); on cold pages this spread prefetch took a call
-// 460-475 -> 261-264 us in the tenth session, the sweep goes further.
+// cache while the next sweep's lines (this item's next chunk, or the first of `following`,
+// the thread's next item, or nullptr) are asked for. Cached: while the rows of one (16
+// tokens, KV head) compute, the same rows of the next page are asked for (this item's next
+// page, or on its last the first of `following`); on cold pages this spread prefetch took a
+// call 460-475 -> 261-264 us in the tenth session, the sweep goes further.
 template <int C, int G, bool Cached>
 void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                 const Item& it, const Item* following, int64_t block_size, int64_t kv_heads,
@@ -202,13 +200,23 @@ void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
   Unit<G>* pending = nullptr;
   auto values = [&](const Unit<G>& u) { value_pass<Cached, C, G>(u, states[u.hk], row); };
   const int64_t pages = (it.len + block_size - 1) / block_size;
-  const int64_t chunk = tritonserve_sweep::chunk_pages(block_size * nkv * HD * 2);
+  const int64_t chunk = tritonserve_sweep::item_chunk<uint16_t>(it, block_size, HD);
+  // streaming: the next sweep's lines, asked for a share after each unit of this one
+  tritonserve_sweep::Ahead<uint16_t> ahead;
+  int64_t per_unit = 0;
   for (int64_t p = 0; p < pages; ++p) {
     const int64_t start = p * block_size, n = std::min(block_size, it.len - start);
     const int64_t page = table[p];
-    if (!Cached && p % chunk == 0)
-      tritonserve_sweep::sweep(k_cache, v_cache, table, it.len, p, std::min(pages, p + chunk),
-                               block_size, row, h0 * HD, nkv * HD);
+    if (!Cached && p % chunk == 0) {
+      const int64_t p1 = std::min(pages, p + chunk);
+      tritonserve_sweep::sweep(k_cache, v_cache, table, it.len, p, p1, block_size, row, h0 * HD,
+                               nkv * HD);
+      tritonserve_sweep::ask_next(ahead, k_cache, v_cache, it, following, p1, block_size,
+                                  kv_heads, HD);
+      // block_size is a multiple of 16 (pick), so only the last page has a partial unit
+      const int64_t units = (std::min(it.len, p1 * block_size) - start + 15) / 16 * nkv;
+      per_unit = (ahead.lines() + units - 1) / units;
+    }
     // cached: the page to ask for, this item's next or on its last the following item's first
     int64_t next = -1, next_n = 0, next_h0 = h0, next_nkv = nkv;
     if (Cached && p + 1 < pages) {
@@ -257,6 +265,7 @@ void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
           pending = &u;
         } else {
           values(u);
+          ahead.advance(per_unit);
         }
       }
     }
