@@ -29,6 +29,20 @@ inline int64_t chunk_pages(int64_t page_bytes) {
   return std::max<int64_t>(1, kBytes / (2 * page_bytes));
 }
 
+// The kPages pages from page g of a sweep that ends at p1: K and V at `offset` of each page's
+// first slot, and the live slots of each (0 for those past p1).
+template <typename T>
+inline void group_at(const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
+                     int64_t g, int64_t p1, int64_t block_size, int64_t row, int64_t offset,
+                     const T* (&k)[kPages], const T* (&v)[kPages], int64_t (&n)[kPages]) {
+  for (int s = 0; s < kPages; ++s) {
+    const int64_t p = std::min(g + s, p1 - 1);
+    n[s] = g + s < p1 ? std::min(block_size, len - p * block_size) : 0;
+    k[s] = k_cache + int64_t(table[p]) * block_size * row + offset;
+    v[s] = v_cache + int64_t(table[p]) * block_size * row + offset;
+  }
+}
+
 // Load every cache line of the K and V rows of pages [p0, p1) of `table` (a sequence of
 // `len` tokens, `block_size` token slots a page, slots `row` elements apart; at each slot
 // the `span` elements from `offset`), kPages pages at a time, each front to back.
@@ -45,12 +59,7 @@ inline void sweep(const T* k_cache, const T* v_cache, const int32_t* table, int6
     const T* k[kPages];
     const T* v[kPages];
     int64_t n[kPages];
-    for (int s = 0; s < kPages; ++s) {
-      const int64_t p = std::min(g + s, p1 - 1);
-      n[s] = g + s < p1 ? std::min(block_size, len - p * block_size) : 0;
-      k[s] = k_cache + int64_t(table[p]) * block_size * row + offset;
-      v[s] = v_cache + int64_t(table[p]) * block_size * row + offset;
-    }
+    group_at(k_cache, v_cache, table, len, g, p1, block_size, row, offset, k, v, n);
     for (int64_t t = 0; t < block_size; ++t)
       for (int64_t e = 0; e < span; e += line)
         for (int s = 0; s < kPages; ++s)
@@ -111,12 +120,7 @@ class Ahead {
  private:
   static constexpr int64_t kLine = 64 / sizeof(T);
   void group() {  // the kPages pages from g_
-    for (int s = 0; s < kPages; ++s) {
-      const int64_t p = std::min(g_ + s, p1_ - 1);
-      n_[s] = g_ + s < p1_ ? std::min(block_size_, len_ - p * block_size_) : 0;
-      k_[s] = k_cache_ + int64_t(table_[p]) * block_size_ * row_ + offset_;
-      v_[s] = v_cache_ + int64_t(table_[p]) * block_size_ * row_ + offset_;
-    }
+    group_at(k_cache_, v_cache_, table_, len_, g_, p1_, block_size_, row_, offset_, k_, v_, n_);
   }
   const T* k_cache_ = nullptr;
   const T* v_cache_ = nullptr;
