@@ -58,6 +58,13 @@ class AttentionBackend:
                             scale):
         return self.decode_traced(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
+    def rope_store(self, qkv: torch.Tensor):
+        """A fused rope + store for this qkv projection output, or None (the model then
+        rotates q and k itself and calls forward): called as fn(qkv [T, (H + 2 Hk) D], cos,
+        sin [T, 1, D], slot_mapping, k_cache, v_cache, num_heads) -> rotated q [T, H, D],
+        having written the rotated k and v at their slots; attend() then reads them."""
+        return None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -67,15 +74,24 @@ class AttentionBackend:
         under torch.compile the same work goes through the tritonserve ops, which the graph
         keeps as opaque calls."""
         if torch.compiler.is_compiling():
-            ops, name = torch.ops.tritonserve, self.name
             store = (self.store_kv_traced if self.store_kv_traced is not None
-                     else functools.partial(ops.store_kv, backend=name))
+                     else functools.partial(torch.ops.tritonserve.store_kv, backend=self.name))
+        else:
+            store = self.store_kv
+        store(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """forward after its store: q [T, num_heads, head_dim] against the caches, which
+        already hold this step's K/V."""
+        if torch.compiler.is_compiling():
+            ops, name = torch.ops.tritonserve, self.name
             decode = (functools.partial(ops.decode_attention, backend=name)
                       if self.decode_traced is None else self._call_decode_traced)
             prefill = functools.partial(ops.prefill_attention, backend=name)
         else:
-            store, decode, prefill = self.store_kv, self.decode, self.prefill
-        store(k, v, k_cache, v_cache, meta.slot_mapping)
+            decode, prefill = self.decode, self.prefill
         nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
         outputs = []
         if nd:
@@ -127,6 +143,15 @@ class TorchAttention(AttentionBackend):
         # Python tritonserve::decode_attention around it: 83 instead of 147 us a call
         # (batch 1, SmolLM2), 2 ms of a 44 ms step
         self.decode_traced = self.cpu_decode
+        self.cpu_rope_store = cpu_ops.rope_store_kv() if device.type == "cpu" else None
+
+    def rope_store(self, qkv):
+        """bf16 / fp16 on the CPU: the C++ op (fp32 math rounded once, as the eager C++ rope
+        and the compiled graph's kernel); fp32 keeps torch's op-by-op rope, which the greedy
+        parity with transformers is token-identical to."""
+        if self.cpu_rope_store is None or qkv.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        return self.cpu_rope_store
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         reference.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)

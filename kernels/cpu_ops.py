@@ -106,6 +106,10 @@ def _register_fake() -> None:
     def _(x, cos, sin):
         return x.new_empty(x.shape)
 
+    @torch.library.register_fake("tritonserve::rope_store_kv")
+    def _(qkv, cos, sin, slot_mapping, k_cache, v_cache, num_heads):
+        return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[3])
+
     @torch.library.register_fake("tritonserve::pack_linear_weight")
     def _(weight):
         return weight.new_empty(-(-weight.shape[0] // 16), weight.shape[1], 16)
@@ -157,6 +161,15 @@ def rotary_embedding():
     x, contiguous (rotate-half rope, fp32 math rounded once); or None when the library is
     unavailable."""
     return torch.ops.tritonserve.rotary_embedding if load() else None
+
+
+@functools.cache
+def rope_store_kv():
+    """torch.ops.tritonserve.rope_store_kv(qkv [T, (H + 2 Hk) D], cos, sin [T, 1, D],
+    slot_mapping [T] int64, k_cache, v_cache, num_heads) -> q [T, H, D]: q and k rotated as
+    rotary_embedding does, the rotated k and v written at their slots (-1: skipped), q
+    returned; or None when the library is unavailable."""
+    return torch.ops.tritonserve.rope_store_kv if load() else None
 
 
 @functools.cache

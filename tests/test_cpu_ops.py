@@ -399,6 +399,12 @@ def _op_cases():
         cases.append((f"rotary_embedding {dtype}", cpu_ops.rotary_embedding(),
                       (q.to(dtype)[:, :, :32], torch.randn(2, 1, 32, generator=gen).to(dtype),
                        torch.randn(2, 1, 32, generator=gen).to(dtype))))
+    kc, vc = k_cache.bfloat16(), v_cache.bfloat16()
+    cases.append(("rope_store_kv", cpu_ops.rope_store_kv(),
+                  (torch.randn(3, 10 * 64, generator=gen).bfloat16(),
+                   torch.randn(3, 1, 64, generator=gen).bfloat16(),
+                   torch.randn(3, 1, 64, generator=gen).bfloat16(), torch.tensor([4, -1, 40]),
+                   kc, vc, 6)))
     cases += [
         ("packed_linear", product, (x, pack(w), 70, torch.randn(70, generator=gen))),
         ("packed_linear_bf16", product16, (x.bfloat16(), pack16(w.bfloat16()), 70, None)),
@@ -447,3 +453,60 @@ def test_rotary_embedding_rounds_the_exact_rotation_once(dtype):
     assert (out.double() - plain.double()).abs().max() <= 4 * ulp.max()
     if dtype != torch.float32:  # what the decoder takes for its eager CPU rope
         assert torch.equal(RotaryEmbedding.apply(q, (cos, sin)), out)
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_store_kv_rotates_and_writes_what_the_unfused_path_does(dtype):
+    """The fused op on a qkv projection output (with a row stride past its width, as a
+    slice gives): q as rotary_embedding returns it, the rotated k and the v written at their
+    slots (slot -1 skipped) and every other slot untouched; a slot out of range raises before
+    anything is written."""
+    rope_store, rotate = cpu_ops.rope_store_kv(), cpu_ops.rotary_embedding()
+    gen = torch.Generator().manual_seed(12)
+    heads, kv_heads, dim, rows = 6, 2, 64, 9
+    wide = torch.randn(rows, (heads + 2 * kv_heads) * dim + 8, generator=gen).to(dtype)
+    qkv = wide[:, :(heads + 2 * kv_heads) * dim]
+    angles = torch.rand(rows, 1, dim, generator=gen) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    k_cache = torch.randn(5, 4, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(5, 4, kv_heads, dim, generator=gen).to(dtype)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([0, 7, -1, 19, 3, 12, 8, -1, 5])
+    q = rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads)
+    q_in, k_in, v_in = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    assert q.shape == (rows, heads, dim) and q.is_contiguous()
+    assert torch.equal(q, rotate(q_in.view(rows, heads, dim), cos, sin))
+    k_rot = rotate(k_in.view(rows, kv_heads, dim), cos, sin)
+    expect_k, expect_v = before_k.view(-1, kv_heads, dim), before_v.view(-1, kv_heads, dim)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expect_k[slot], expect_v[slot] = k_rot[t], v_in[t].view(kv_heads, dim)
+    assert torch.equal(k_cache.view(-1, kv_heads, dim), expect_k)
+    assert torch.equal(v_cache.view(-1, kv_heads, dim), expect_v)
+    written = k_cache.clone()
+    with pytest.raises(RuntimeError, match="slot 20 out of range"):
+        rope_store(qkv, cos, sin, torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 20]), k_cache, v_cache,
+                   heads)
+    assert torch.equal(k_cache, written)
+    with pytest.raises(RuntimeError, match="num_heads"):
+        rope_store(qkv, cos, sin, slots, k_cache, v_cache, heads + 1)
+
+
+@needs_op
+def test_cpu_bf16_attention_uses_the_fused_rope_store(tiny_model):
+    """bf16 on the CPU: the model hands the qkv output to the backend's fused rope + store
+    (eager prefill and the compiled decode alike); fp32 keeps torch's op-by-op rope."""
+    from engine import LLM, SamplingParams
+    calls = []
+    fused = torch.ops.tritonserve.rope_store_kv
+    backend = TorchAttention(torch.device("cpu"))
+    assert backend.rope_store(torch.empty(1, 8, dtype=torch.bfloat16)) is fused
+    assert backend.rope_store(torch.empty(1, 8, dtype=torch.float32)) is None
+    llm = LLM(tiny_model, dtype="bfloat16", max_num_seqs=2, decode_mode="eager")
+    runner_backend = llm.engine.runner.backend
+    runner_backend.cpu_rope_store = lambda *args: calls.append(args[0].shape) or fused(*args)
+    out = llm.generate(["a b c d"], SamplingParams(temperature=0.0, max_tokens=3))[0]
+    layers = llm.engine.arch.num_layers
+    assert len(calls) == 3 * layers  # the prefill, then two decode steps
+    assert len(out.token_ids) == 3

@@ -33,7 +33,7 @@ def run_on(impl, device):
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 96), (3, 576)])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 96), (3, 576), (2, 100)])  # 100: a tail
 def test_add_rms_norm(impl, dtype, rows, hidden, device):
     run_on(impl, device)
     gen = torch.Generator().manual_seed(rows * hidden)
@@ -94,16 +94,17 @@ def test_cpp_bf16_ops_round_like_torch_at_prefill_size():
     rest, want = got[1:].float(), expected[1:].float()
     assert (rest != want).float().mean() < 1e-4
     assert within_bf16_steps(rest, want)
-    h = (torch.randn(700, 576, generator=gen) * 3).to(torch.bfloat16)
-    r = torch.randn(700, 576, generator=gen).to(torch.bfloat16)
-    w = (torch.rand(576, generator=gen) + 0.5).to(torch.bfloat16)
-    norm, total = llama_add_norm(h, r, w, 1e-5)
-    CPU_OPS[0](h, r, w, 1e-5)
-    assert torch.equal(r, total)  # the sum is one rounding: exact
-    # the row's statistic is summed in another order: where that moves the normalised value
-    # across a rounding boundary, the weight's product can land two steps away
-    assert (h != norm).float().mean() < 1e-4
-    assert within_bf16_steps(h.float(), norm.float(), 2)
+    for width in (576, 600):  # AVX-512 rows of 32 / 16, then (600) a tail of 8 one at a time
+        h = (torch.randn(700, width, generator=gen) * 3).to(torch.bfloat16)
+        r = torch.randn(700, width, generator=gen).to(torch.bfloat16)
+        w = (torch.rand(width, generator=gen) + 0.5).to(torch.bfloat16)
+        norm, total = llama_add_norm(h, r, w, 1e-5)
+        CPU_OPS[0](h, r, w, 1e-5)
+        assert torch.equal(r, total)  # the sum is one rounding: exact
+        # the row's statistic is summed in another order: where that moves the normalised
+        # value across a rounding boundary, the weight's product can land two steps away
+        assert (h != norm).float().mean() < 1e-4
+        assert within_bf16_steps(h.float(), norm.float(), 2)
 
 
 def within_bf16_steps(a, b, steps=1):

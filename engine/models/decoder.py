@@ -132,6 +132,12 @@ class Attention(nn.Module):
 
     def forward(self, rope: RopeTables, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        fused = None if self.qk_norm else ctx.backend.rope_store(qkv)
+        if fused is not None:  # rope, the split and the cache write in one op
+            q = fused(qkv, *rope, ctx.meta.slot_mapping, k_cache, v_cache, self.num_heads)
+            out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)
+            return self.o_proj(out.reshape(-1, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -139,7 +145,6 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(q, rope), RotaryEmbedding.apply(k, rope)
-        k_cache, v_cache = ctx.kv_caches[self.layer_index]
         out = ctx.backend.forward(q, k, v.contiguous(), k_cache, v_cache, ctx.meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
