@@ -146,9 +146,9 @@ class TorchAttention(AttentionBackend):
         self.cpu_rope_store = cpu_ops.rope_store_kv() if device.type == "cpu" else None
 
     def rope_store(self, qkv):
-        """bf16 / fp16 on the CPU: the C++ op (fp32 math rounded once, as the eager C++ rope
-        and the compiled graph's kernel); fp32 keeps torch's op-by-op rope, which the greedy
-        parity with transformers is token-identical to."""
+        """bf16 / fp16 on the CPU: the C++ op (fp32 math rounded once, as rotary_embedding);
+        fp32 keeps torch's op-by-op rope, which the greedy parity with transformers is
+        token-identical to."""
         if self.cpu_rope_store is None or qkv.dtype not in (torch.bfloat16, torch.float16):
             return None
         return self.cpu_rope_store
