@@ -10,19 +10,23 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 DTYPE_CHOICES = ("auto", *_DTYPES)  # auto: the model's dtype where the device runs it (dtype.py)
 
-# How a decode-only step runs (engine/decode_graphs.py). eager: op by op, no static buffers.
-# auto: cudagraph on CUDA with the triton attention; CPU_DECODE_MODE on the CPU in
-# CPU_COMPILED_DTYPES with the torch attention; eager otherwise.
-DECODE_MODES = ("auto", "eager", "static", "compile", "cudagraph", "compile+cudagraph")
+# How a decode-only step runs (engine/decode_graphs.py, engine/model_runner.py). eager: op by
+# op, no static buffers. layers: the whole decoder stack as one C++ op (CPU bf16,
+# kernels/cpu/decode_layers.cpp). auto: cudagraph on CUDA with the triton attention;
+# CPU_DECODE_MODES[dtype] on the CPU with the torch attention; eager otherwise.
+DECODE_MODES = ("auto", "eager", "static", "compile", "cudagraph", "compile+cudagraph", "layers")
 
 # SmolLM2 fp32 on a 2-core AVX2 EPYC, compiled vs eager: 40 vs 46 ms a step at batch 1, 116 vs
 # 125 at 16, 306 vs 370 at 64; served side by side, 1.1-1.35x eager's tok/s (docs/benchmarks.md,
 # sixth session), for ~145 s of compiling at the first start and ~30 s from the cache. bf16 on
-# a 2-core AVX512-BF16 EPYC, both through the bf16 panels (kernels/cpu/linear_bf16.cpp):
-# 8.6 vs 9.2 ms at batch 1, 15.6 vs 19.7 at 16, 40.4 vs 46.2 at 64 (ninth session). fp16 has
-# no panels (its weights stay plain): eager.
-CPU_DECODE_MODE = "compile"
-CPU_COMPILED_DTYPES = ("float32", "bfloat16")
+# a 2-core AVX512-BF16 EPYC: the layer stack in one op against the compiled graph (one
+# process, steps alternated) 9.86 vs 10.37 ms at batch 1, 15.4 vs 16.8 at 16, 39.9 vs 41.6 at
+# 64, and nothing to compile (nineteenth session). fp16 has no panels (its weights stay
+# plain): eager.
+CPU_DECODE_MODES = {"float32": "compile", "bfloat16": "layers"}
+# What `auto` runs instead of layers where the op does not take the model (q/k norms, a head
+# size without an instance, a build without AVX512-BF16): the model_runner decides, at load.
+LAYERS_FALLBACK = "compile"
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -103,6 +107,11 @@ class EngineConfig:
                              f"triton attention backend (the torch one reads lengths back to "
                              f"the host), got device {self.device!r}, attention_backend "
                              f"{self.attention_backend!r}")
+        if self.decode_mode == "layers" and (torch.device(self.device).type != "cpu"
+                                             or self.use_triton("attention")):
+            raise ValueError(f"decode_mode 'layers' runs on the CPU with the torch attention "
+                             f"backend, got device {self.device!r}, attention_backend "
+                             f"{self.attention_backend!r}")
         bad = [b for b in self.decode_buckets
                if isinstance(b, bool) or not isinstance(b, int) or b < 1
                or b > self.scheduler.max_num_seqs]
@@ -124,9 +133,8 @@ class EngineConfig:
         device = torch.device(self.device).type
         if device == "cuda" and self.use_triton("attention"):
             return "cudagraph"
-        if (device == "cpu" and self.dtype in CPU_COMPILED_DTYPES
-                and not self.use_triton("attention")):
-            return CPU_DECODE_MODE
+        if device == "cpu" and not self.use_triton("attention"):
+            return CPU_DECODE_MODES.get(self.dtype, "eager")
         return "eager"
 
     def use_triton(self, which: str) -> bool:

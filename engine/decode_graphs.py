@@ -42,7 +42,7 @@ from .models import ForwardContext
 
 log = logging.getLogger("engine")
 
-MODES = tuple(m for m in DECODE_MODES if m not in ("auto", "eager"))
+MODES = tuple(m for m in DECODE_MODES if m not in ("auto", "eager", "layers"))
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:

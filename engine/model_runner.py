@@ -1,6 +1,7 @@
 """Turns a SchedulerOutput into one forward pass over a flattened token batch, and samples."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import torch
 from torch.profiler import record_function
 
 from .attention import AttentionMetadata, make_attention_backend
-from .config import EngineConfig
+from .config import LAYERS_FALLBACK, EngineConfig
 from .cpu_allocator import keep_buffers_on_heap
 from .decode_graphs import DecodeGraphs, bucket_sizes
 from .memory import check_cache_fits_memory
@@ -16,6 +17,8 @@ from .models import ForwardContext, ModelArch, build_model
 from .request import Request
 from .sampler import SampledToken, Sampler
 from .scheduler import ScheduledRequest, SchedulerOutput
+
+log = logging.getLogger("engine")
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,23 @@ class ModelRunner:
         self.decode_mode = config.resolved_decode_mode
         if self.device.type == "cpu":  # a compiled graph can call the panels, not oneDNN's
             self.model.prepack_weights(batch_hint=config.scheduler.max_num_seqs,
-                                       traceable=self.decode_mode.startswith("compile"))
+                                       traceable=self.decode_mode.startswith("compile")
+                                       or self.decode_mode == "layers")
+        # decode_mode layers: every decode-only step through the one C++ op of the stack
+        self.decode_layers = None
+        if self.decode_mode == "layers":
+            self.decode_layers = self.model.decode_layers(self.block_size)
+            if self.decode_layers is None:
+                why = (f"{arch.architecture} in {config.dtype} (head size {arch.head_dim}, "
+                       f"{arch.num_heads // arch.num_kv_heads} query heads a KV head, block "
+                       f"size {self.block_size}, q/k norms {arch.qk_norm})")
+                if config.decode_mode != "auto":
+                    raise ValueError(f"decode_mode 'layers' does not take {why}: it needs "
+                                     f"bfloat16 on a CPU with AVX512-BF16, head size 64 or "
+                                     f"128, at most 8 query heads a KV head, a block size "
+                                     f"that is a multiple of 16 and no q/k norms")
+                log.info("decode_mode layers does not take %s: %s", why, LAYERS_FALLBACK)
+                self.decode_mode = LAYERS_FALLBACK
         self.backend = make_attention_backend(config.use_triton("attention"), self.device)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -122,7 +141,7 @@ class ModelRunner:
                              f"cache_bytes / num_blocks") from None
         self.sampler = Sampler(config.use_triton("sampler"), arch.vocab_size, config.seed,
                                max_model_len, self.device)
-        if self.decode_mode != "eager":
+        if self.decode_mode not in ("eager", "layers"):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend,
                                        null_block=self.num_blocks, block_size=self.block_size,
                                        sizes=list(config.decode_buckets) or bucket_sizes(
@@ -162,6 +181,8 @@ class ModelRunner:
     def _forward(self, model_input: ModelInput, ctx: ForwardContext) -> torch.Tensor:
         """hidden [T, hidden]: a decode-only step the graphs hold runs on them."""
         n = model_input.input_ids.shape[0]
+        if self.decode_layers is not None and model_input.meta.num_decode_tokens == n:
+            return self.decode_layers(model_input.input_ids, model_input.positions, ctx)
         if (self.graphs is not None and model_input.meta.num_decode_tokens == n
                 and n <= self.graphs.max_batch):
             return self.graphs.run(model_input.input_ids, model_input.positions, model_input.meta)

@@ -65,8 +65,10 @@ class SamplingParams:
         if not 0 <= temperature <= MAX_TEMPERATURE:
             _fail("temperature", f"in [0, {MAX_TEMPERATURE:g}] (0 means greedy)",
                   self.temperature)
-        if 0 < temperature < MIN_TEMPERATURE:
-            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
+        # stored as floats: an int (temperature=0) reached the sampler's tensors as int64,
+        # which the C++ draw refuses
+        object.__setattr__(self, "temperature", temperature if temperature == 0 or
+                           temperature >= MIN_TEMPERATURE else MIN_TEMPERATURE)
         if _check_int("top_k", self.top_k) < -1:
             _fail("top_k", "-1 (off), 0 (off) or a positive integer", self.top_k)
         top_p = _check_number("top_p", self.top_p)
@@ -80,6 +82,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= _check_number(name, getattr(self, name)) <= 2.0:
                 _fail(name, "in [-2, 2]", getattr(self, name))
+        for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
         if self.seed is not None and not 0 <= _check_int("seed", self.seed) < SEED_LIMIT:
             _fail("seed", "an integer in [0, 2**64)", self.seed)
         if _check_int("max_tokens", self.max_tokens) < 1:

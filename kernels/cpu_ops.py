@@ -27,9 +27,10 @@ log = logging.getLogger("kernels")
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_decode.cpp", "fused_ops.cpp", "linear.cpp", "linear_bf16.cpp",
-                        "sampling.cpp")]
+                        "sampling.cpp", "decode_layers.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / name  # staged beside them, not compiled
-           for name in ("vec_math.h", "page_sweep.h", "paged_decode_bf16.h", "owned_panels.h")]
+           for name in ("vec_math.h", "page_sweep.h", "paged_decode_bf16.h", "owned_panels.h",
+                     "panels_bf16.h", "rows.h")]
 # -O3 with -march=native lets the compiler vectorise the head_dim loops for this CPU (AVX2 /
 # AVX-512); the cache directory is per machine, so the native build is never shared.
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it (2x slower on 2 cores); the
@@ -130,6 +131,11 @@ def _register_fake() -> None:
     def _(x, panels):
         return x.new_empty(x.shape[0], panels.shape[0] * 16)
 
+    @torch.library.register_fake("tritonserve::decode_layers_bf16")
+    def _(x, norms, panels, biases, cos, sin, slot_mapping, k_caches, v_caches, block_tables,
+          seq_lens, num_heads, eps, scale):
+        return x.new_empty(x.shape), x.new_empty(x.shape)
+
     @torch.library.register_fake("tritonserve::sample_softmax")
     def _(logits, temperature, seeds):
         return logits.new_empty(logits.shape[0], dtype=torch.int64)
@@ -211,6 +217,18 @@ def pack_gate_up_bf16(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError("pack_gate_up_bf16: weight must be bf16 [2I, K] with I % 16 == 0")
     rows = weight.reshape(2, inter // 16, 16, k).transpose(0, 1).reshape(2 * inter, k)
     return torch.ops.tritonserve.pack_linear_weight_bf16(rows.contiguous())
+
+
+@functools.cache
+def decode_layers_bf16(head_dim: int, group: int, block_size: int):
+    """torch.ops.tritonserve.decode_layers_bf16 (kernels/cpu/decode_layers.cpp: a decode step's
+    whole decoder stack in one parallel region) when this build runs it for these shapes
+    (AVX512-BF16, head size 64 or 128, up to 8 query heads a KV head, pages of a multiple of 16
+    slots); else None."""
+    if not load() or not torch.ops.tritonserve.decode_layers_bf16_supported(
+            head_dim, group, block_size):
+        return None
+    return torch.ops.tritonserve.decode_layers_bf16
 
 
 def sample_softmax():

@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 from engine import config as engine_config  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
 
-SHIPPED_CPU_DECODE_MODE = engine_config.CPU_DECODE_MODE
+SHIPPED_CPU_DECODE_MODES = dict(engine_config.CPU_DECODE_MODES)
 
 ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "Qwen3ForCausalLM"]
@@ -24,14 +24,15 @@ def eager_cpu_decode_by_default():
     `shipped_defaults`: compiling costs each new model shape or cache size ~5 s (~100 s from an
     empty compile cache), and the suite builds hundreds of engines."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine_config, "CPU_DECODE_MODE", "eager")
+        patch.setattr(engine_config, "CPU_DECODE_MODES",
+                      {dtype: "eager" for dtype in SHIPPED_CPU_DECODE_MODES})
         yield
 
 
 @pytest.fixture
 def shipped_defaults(monkeypatch):
-    """The CPU decode mode `auto` resolves to as shipped (compile)."""
-    monkeypatch.setattr(engine_config, "CPU_DECODE_MODE", SHIPPED_CPU_DECODE_MODE)
+    """The CPU decode modes `auto` resolves to as shipped (fp32 compile, bf16 layers)."""
+    monkeypatch.setattr(engine_config, "CPU_DECODE_MODES", SHIPPED_CPU_DECODE_MODES)
 
 
 @pytest.fixture(scope="session")

@@ -107,10 +107,10 @@ def test_decode_mode_choices_and_enforce_eager(tiny_model, shipped_defaults):
     assert parse_args([]).decode_mode == EngineConfig.decode_mode == "auto"
     assert parse_args(["--enforce-eager"]).decode_mode == "eager"
     assert parse_args(["--decode-mode", "static"]).decode_mode == "static"
-    # the CPU default (measured): compiled in fp32 and bf16 (both have C++ panels), eager in
+    # the CPU default (measured): compiled in fp32, the layers op in bf16, eager in
     # fp16 (plain weights) or with the triton kernels
     assert EngineConfig(dtype="float32").resolved_decode_mode == "compile"
-    assert EngineConfig(dtype="bfloat16").resolved_decode_mode == "compile"
+    assert EngineConfig(dtype="bfloat16").resolved_decode_mode == "layers"
     assert EngineConfig(dtype="float16").resolved_decode_mode == "eager"
     assert EngineConfig(dtype="float32", attention_backend="triton").resolved_decode_mode \
         == "eager"

@@ -55,3 +55,22 @@ def test_tiny_temperatures_are_raised_to_the_floor():
     assert SamplingParams(temperature=1e-30).temperature == 1e-2
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+
+
+def test_integer_numbers_are_stored_as_floats(tiny_model):
+    """temperature=0 or 1 as ints (what a Python caller writes): stored as floats, so the
+    sampler's temperature tensor is float32; an int reached the C++ draw as int64 and every
+    step of the batch failed ("sample_softmax needs float32 temperature")."""
+    from engine import LLM
+    p = SamplingParams(temperature=1, top_p=1, min_p=0, repetition_penalty=1,
+                       presence_penalty=0, frequency_penalty=0)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        assert type(getattr(p, name)) is float, name
+    assert type(SamplingParams(temperature=0).temperature) is float
+    llm = LLM(tiny_model, max_num_seqs=2)
+    outs = llm.generate(["a b c", "d e f"], [SamplingParams(temperature=0, max_tokens=4),
+                                             SamplingParams(temperature=1, max_tokens=4,
+                                                            seed=3)])
+    assert [o.error for o in outs] == [None, None]
+    assert all(len(o.token_ids) >= 1 for o in outs)

@@ -221,6 +221,43 @@ class DecoderForCausalLM(nn.Module):
             self.packed_tied_lm_head = pack_weight(self.embed_tokens.weight, batch_hint,
                                                    traceable)
 
+    def decode_layers(self, block_size: int):
+        """The C++ op that runs this model's whole layer stack for a decode step
+        (kernels/cpu/decode_layers.cpp) with its weights, as a function of (input_ids,
+        positions, ctx) -> hidden [T, hidden]; None where it does not apply: not CPU bf16
+        with every projection in the bf16 panels and gate/up with its activation
+        (prepack_weights), q/k norms (Qwen3), or no instance for the head shapes."""
+        arch = self.arch
+        op = cpu_ops.decode_layers_bf16(arch.head_dim, arch.num_heads // arch.num_kv_heads,
+                                        block_size)
+        mlps = [layer.mlp for layer in self.layers]
+        linears = [m for layer in self.layers for m in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)]
+        if (op is None or arch.qk_norm or self.embed_tokens.weight.dtype != torch.bfloat16
+                or not all(m.silu_in_matmul for m in mlps)
+                or not all(lin.weight.dim() == 4 for lin in linears)):
+            return None
+        norms = [n.weight for layer in self.layers
+                 for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        panels = [lin.weight for lin in linears]
+        biases = [layer.self_attn.qkv_proj.bias for layer in self.layers] if arch.qkv_bias \
+            else []
+        head_scale = arch.head_dim ** -0.5
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor,
+                    ctx: ForwardContext) -> torch.Tensor:
+            x = self.embed_tokens(input_ids)  # [T, hidden]
+            cos, sin = self.rope.lookup(positions, x.dtype)
+            meta = ctx.meta
+            x, residual = op(x, norms, panels, biases, cos, sin, meta.slot_mapping,
+                             [k for k, _ in ctx.kv_caches], [v for _, v in ctx.kv_caches],
+                             meta.decode_block_tables, meta.decode_seq_lens, arch.num_heads,
+                             arch.rms_norm_eps, head_scale)
+            return self.norm(x, residual)[0]
+
+        return forward
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]"""

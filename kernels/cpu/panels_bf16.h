@@ -1,0 +1,285 @@
+// The bf16 column-panel matmul kernels over pack_linear_weight_bf16's layout: R rows of x
+// against one panel of 32 output columns, with the epilogues (bias, the gate/up activation,
+// non-temporal rows). Shared by linear_bf16.cpp (the matmul ops) and decode_layers.cpp (the
+// whole decode stack in one parallel region). The layout, and why panels: linear_bf16.cpp.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "vec_math.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TS_DPBF16 1
+#endif
+
+namespace tritonserve_panels_bf16 {
+
+constexpr int64_t kCols = 32;  // output columns per panel
+// Every row tile of a panel asks for its share of the next panel's lines, spread over its
+// pairs (the hardware prefetcher alone left the first pass over a panel waiting on memory).
+// SmolLM2's 121 matmuls weights cold on a 2-core Zen 5, side by side: the first tile alone
+// asking 4 KB ahead gave M = 4 6.5 -> 5.4-5.9 ms, 16 9.4 -> 7.0-7.4, 64 23.0 -> 19.9-20.2
+// (ninth session); that tile then had to fetch a whole panel in a sixth of the panel's time at
+// M = 64 (~96 GB/s for two cores). Spread over every tile: docs/benchmarks.md (eleventh
+// session). One row (its own loop) gained nothing from either.
+constexpr int64_t kPrefetchBytes = 4096;
+struct Ahead {
+  const char* base;  // the next panel
+  uint64_t first;    // this tile's first line, 16.16 fixed point
+  uint64_t rate;     // lines a pair, 16.16
+};
+
+// An output larger than this (a core's L2) is written with non-temporal stores: it would
+// not stay in L2 for its reader anyway, and the ordinary stores' line fills (read for
+// ownership, 64 B per 32-column row, one per row a panel) queued with the weight stream's
+// prefetches. The tied lm_head (49,152 x 576) then the softmax draw, weights cold, 2-core
+// Zen 5: M = 64 4.82 -> 4.25 ms, 32 2.45 -> 2.19, 16 1.54 -> 1.39, 8 and 4 unchanged; the
+// step's logits phase at batch 64 4.5-4.6 -> 3.9-4.1 ms; a 64 x 64 prefill unchanged
+// (docs/benchmarks.md, twelfth session).
+constexpr int64_t kStreamBytes = 1 << 20;
+
+using tritonserve_vec::bf16_to_float;
+using tritonserve_vec::float_to_bf16;  // round to nearest even; NaN stays NaN
+
+// The pair (x[2j], x[2j + 1]) of row x as one 32-bit word; an odd K's last pair is (x, 0).
+inline uint32_t pair_at(const uint16_t* x, int64_t j, int64_t K) {
+  if (2 * j + 1 < K) {
+    uint32_t w;
+    std::memcpy(&w, x + 2 * j, sizeof w);
+    return w;
+  }
+  return x[2 * j];
+}
+
+// y[m, 0:ncols] (bf16, row stride ldy) = acc[m] + bias, from fp32 sums of 32 columns
+inline void store_row(const float* acc, uint16_t* y, int64_t ncols, const float* bias) {
+  uint16_t row[kCols];
+  for (int64_t c = 0; c < kCols; ++c) row[c] = float_to_bf16(acc[c] + (bias ? bias[c] : 0.f));
+  std::memcpy(y, row, ncols * sizeof(uint16_t));
+}
+
+// The gate/up epilogue: a panel of pack_gate_up_bf16 holds 16 gate columns then the same 16
+// up columns, so y[0:16] = silu(gate) * up with the unfused path's roundings (gate and up
+// rounded to bf16 as the matmul would store them, silu rounded as F.silu's bf16 output, the
+// product rounded once): the activation never goes to memory at [M, 2I].
+inline void store_silu_mul(const float* gate, const float* up, uint16_t* y) {
+  uint16_t out[16];
+  for (int i = 0; i < 16; ++i) {
+    const float g = bf16_to_float(float_to_bf16(gate[i]));
+    const float u = bf16_to_float(float_to_bf16(up[i]));
+    out[i] = float_to_bf16(tritonserve_vec::silu_as<c10::BFloat16>(g) * u);
+  }
+  std::memcpy(y, out, sizeof out);
+}
+
+// Where a tile's rows go: y (row stride ldy), ncols of the panel's 32 columns, a bias or
+// none; silu: the gate/up epilogue (16 columns out, no bias); stream: whole aligned rows
+// written non-temporally (kStreamBytes).
+struct Out {
+  uint16_t* y;
+  int64_t ldy, ncols;
+  const float* bias;
+  bool silu;
+  bool stream;
+};
+
+#ifdef TS_DPBF16
+// x rounded to bf16 (nearest even) and back
+inline __m512 round_bf16(__m512 x) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// store_silu_mul on registers (exp_clamped's polynomial as tritonserve_vec::exp16). Through
+// the scalar helper (the loop did not vectorise) the epilogue cost 35 us of a 264 us M = 64
+// gate/up.
+inline void store_silu_mul_dp(__m512 gate, __m512 up, uint16_t* y) {
+  const __m512 g = round_bf16(gate), u = round_bf16(up);
+  const __m512 e = tritonserve_vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));  // exp(-g)
+  const __m512 act = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(act, u)));
+}
+
+// y[0:ncols] = bf16(lo | hi + bias) in registers (or the gate/up epilogue): vcvtne2ps2bf16
+// rounds to nearest even as float_to_bf16 does (NaN stays NaN; it reads an fp32 denormal as
+// zero, below bf16's 1e-38 floor anyway), one masked store. The scalar loop it replaces was
+// ~400 conversions a 12-row tile against ~3,500 cycles of dot products at K = 576
+// (docs/benchmarks.md, eleventh session).
+inline void store_row_dp(__m512 lo, __m512 hi, uint16_t* y, int64_t ncols, const float* bias,
+                         bool silu, bool stream = false) {
+  if (silu) {
+    store_silu_mul_dp(lo, hi, y);
+    return;
+  }
+  if (bias) {
+    lo = _mm512_add_ps(lo, _mm512_loadu_ps(bias));
+    hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias + 16));
+  }
+  const __m512i row = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo -> elements 0..15
+  if (stream && ncols == kCols && (reinterpret_cast<uintptr_t>(y) & 63) == 0) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(y), row);
+    return;
+  }
+  const __mmask32 keep = ncols >= kCols ? ~0u : (1u << ncols) - 1;
+  _mm512_mask_storeu_epi16(y, keep, row);
+}
+
+// R rows of x (row stride ldx) against one panel, all of its kp pairs. 2R accumulators
+// (R <= 12 of the 32 zmm registers) and two panel loads per pair, the x pair folded into
+// vdpbf16ps as a broadcast; each pair also asks for the tile's share of the weight stream
+// ahead (`ahead`).
+template <int R>
+inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* panel, int64_t kp,
+                 const Out& out, const Ahead& ahead) {
+  __m512 lo[R], hi[R];
+  for (int m = 0; m < R; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+  // whole pairs read as words; an odd K's last pair through pair_at after the loop (a
+  // run-time branch inside it is what kernels/cpu/linear.cpp measured to cost)
+  const int64_t full = K / 2;
+  uint64_t line = ahead.first;  // 16.16 fixed point
+  for (int64_t j = 0; j < full; ++j) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kCols);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kCols + kCols);
+    __builtin_prefetch(ahead.base + (line >> 16) * 64, 0, 3);
+    __builtin_prefetch(ahead.base + ((line + ahead.rate / 2) >> 16) * 64, 0, 3);
+    line += ahead.rate;
+    for (int m = 0; m < R; ++m) {
+      uint32_t word;
+      std::memcpy(&word, x + m * ldx + 2 * j, sizeof word);
+      const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+      lo[m] = _mm512_dpbf16_ps(lo[m], xs, w0);
+      hi[m] = _mm512_dpbf16_ps(hi[m], xs, w1);
+    }
+  }
+  if (kp > full) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + full * 2 * kCols);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + full * 2 * kCols + kCols);
+    for (int m = 0; m < R; ++m) {
+      const __m512bh xs = (__m512bh)_mm512_set1_epi32(
+          static_cast<int>(pair_at(x + m * ldx, full, K)));
+      lo[m] = _mm512_dpbf16_ps(lo[m], xs, w0);
+      hi[m] = _mm512_dpbf16_ps(hi[m], xs, w1);
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    store_row_dp(lo[m], hi[m], out.y + m * out.ldy, out.ncols, out.bias, out.silu, out.stream);
+}
+constexpr int kRows = 12;
+
+// One row (a single decode sequence): memory-bound, so four independent accumulator chains
+// keep vdpbf16ps's latency behind the weight stream.
+inline void row_times_panel(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t kp,
+                            const Out& out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+  int64_t j = 0;
+  for (; j + 1 < K / 2; j += 2) {
+    const uint16_t* p = panel + j * 2 * kCols;
+    uint32_t w[2];
+    std::memcpy(w, x + 2 * j, sizeof w);
+    const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[0]));
+    const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[1]));
+    a0 = _mm512_dpbf16_ps(a0, x0, (__m512bh)_mm512_loadu_si512(p));
+    a1 = _mm512_dpbf16_ps(a1, x0, (__m512bh)_mm512_loadu_si512(p + kCols));
+    b0 = _mm512_dpbf16_ps(b0, x1, (__m512bh)_mm512_loadu_si512(p + 2 * kCols));
+    b1 = _mm512_dpbf16_ps(b1, x1, (__m512bh)_mm512_loadu_si512(p + 3 * kCols));
+  }
+  for (; j < kp; ++j) {
+    const uint16_t* p = panel + j * 2 * kCols;
+    const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(x, j, K)));
+    a0 = _mm512_dpbf16_ps(a0, xs, (__m512bh)_mm512_loadu_si512(p));
+    a1 = _mm512_dpbf16_ps(a1, xs, (__m512bh)_mm512_loadu_si512(p + kCols));
+  }
+  store_row_dp(_mm512_add_ps(a0, b0), _mm512_add_ps(a1, b1), out.y, out.ncols, out.bias,
+               out.silu);
+}
+#else
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint32_t u8 __attribute__((vector_size(32)));
+
+// The portable tile: per k pair, 32 columns as four 8-wide words split into even / odd k.
+template <int R>
+inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* panel, int64_t kp,
+                 const Out& out, const Ahead&) {
+  v8 acc[R][4] = {};
+  for (int64_t j = 0; j < kp; ++j) {
+    v8 even[4], odd[4];
+    for (int q = 0; q < 4; ++q) {
+      u8 words;
+      std::memcpy(&words, panel + j * 2 * kCols + q * 16, sizeof words);
+      const u8 e = words << 16, o = words & 0xffff0000u;
+      std::memcpy(&even[q], &e, sizeof e);
+      std::memcpy(&odd[q], &o, sizeof o);
+    }
+    for (int m = 0; m < R; ++m) {
+      const uint32_t word = pair_at(x + m * ldx, j, K);
+      const float xe = bf16_to_float(static_cast<uint16_t>(word));
+      const float xo = bf16_to_float(static_cast<uint16_t>(word >> 16));
+      for (int q = 0; q < 4; ++q) acc[m][q] += xe * even[q] + xo * odd[q];
+    }
+  }
+  for (int m = 0; m < R; ++m) {
+    float row[kCols];
+    std::memcpy(row, acc[m], sizeof row);
+    if (out.silu)
+      store_silu_mul(row, row + 16, out.y + m * out.ldy);
+    else
+      store_row(row, out.y + m * out.ldy, out.ncols, out.bias);
+  }
+}
+constexpr int kRows = 3;
+
+inline void row_times_panel(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t kp,
+                            const Out& out) {
+  tile<1>(x, K, K, panel, kp, out, Ahead{});
+}
+#endif
+
+// tile<rows> for 1 <= rows <= R
+template <int R = kRows>
+inline void tiles(int64_t rows, const uint16_t* x, int64_t ldx, int64_t K,
+                  const uint16_t* panel, int64_t kp, const Out& out, const Ahead& ahead) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      tiles<R - 1>(rows, x, ldx, K, panel, kp, out, ahead);
+      return;
+    }
+  }
+  tile<R>(x, ldx, K, panel, kp, out, ahead);
+}
+
+// rows [0, M) of x against one panel; out.y is row 0's
+inline void panel_product(const uint16_t* x, int64_t M, int64_t K, const uint16_t* panel,
+                          int64_t kp, const Out& out) {
+  if (M == 1) {
+    row_times_panel(x, K, panel, kp, out);
+    return;
+  }
+  // Tiles of even height (64 rows: 11, 11, 11, 11, 10, 10, not five of 12 and one of 4, whose
+  // 8 accumulator chains cannot hide vdpbf16ps's latency). Each asks for its share of the next
+  // panel (the panels are contiguous; past the last one's end, a prefetch of nothing, which
+  // never faults).
+  const int64_t count = (M + kRows - 1) / kRows, base = M / count, taller = M % count;
+  // One tile reads the panel once, at the stream's pace: it asks kPrefetchBytes ahead (a whole
+  // panel ahead measured 6 % slower at M = 4).
+  const char* here = reinterpret_cast<const char*>(panel);
+  if (count == 1) {
+    tiles(M, x, K, K, panel, kp, out, Ahead{here + kPrefetchBytes, 0, 2 << 16});
+    return;
+  }
+  const uint64_t lines = static_cast<uint64_t>(kp) * 2 << 16;  // 128 bytes a pair
+  const uint64_t rate = lines / count / std::max<int64_t>(K / 2, 1);
+  const char* next = here + kp * 2 * kCols * sizeof(uint16_t);
+  for (int64_t i = 0, m = 0; i < count; ++i) {
+    const int64_t rows = base + (i < taller ? 1 : 0);
+    Out rows_out = out;
+    rows_out.y += m * out.ldy;
+    tiles(rows, x + m * K, K, K, panel, kp, rows_out, Ahead{next, lines / count * i, rate});
+    m += rows;
+  }
+}
+
+}  // namespace tritonserve_panels_bf16

@@ -1,0 +1,173 @@
+"""decode_mode layers: a decode step's whole decoder stack as one C++ op
+(kernels/cpu/decode_layers.cpp), the CPU bf16 default. It must give the eager step's hidden
+states bit for bit (same kernels, same roundings, one parallel region), write the caches as
+the eager step does, refuse bad metadata before writing anything, and give way to the
+compiled step where it does not take the model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from kernels import cpu_ops
+from tests.parity import TIE_GAP_BF16, assert_parity, hf_greedy
+from tests.test_engine_parity import mixed_prompts
+from tests.tiny_models import write_tiny_model
+
+# the op's attention has instances for head sizes 64 and 128 (the tiny test model's is 16)
+needs_op = pytest.mark.skipif(cpu_ops.decode_layers_bf16(64, 2, 16) is None,
+                              reason="no AVX512-BF16 build of the C++ ops")
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2,
+             num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def op_models(tmp_path_factory) -> dict[str, str]:
+    """Llama (untied) and Qwen2 (qkv bias, tied embeddings) in shapes the op takes. Seed 1:
+    seed 0's Llama puts one prompt's reference top two logits exactly 0.125 apart (the bf16
+    tie rule's edge), where the eager bf16 step diverges from transformers as the op does."""
+    return {
+        "llama": str(write_tiny_model(tmp_path_factory.mktemp("layers-llama"), seed=1,
+                                      **SHAPE)),
+        "qwen2": str(write_tiny_model(tmp_path_factory.mktemp("layers-qwen2"),
+                                      "Qwen2ForCausalLM", seed=3, tie_word_embeddings=True,
+                                      **SHAPE)),
+    }
+
+
+def _compare_with_eager(llm) -> list[tuple[int, bool]]:
+    """Runs every decode-only step of `llm` (an eager engine) through the eager forward and
+    then the op on the same inputs; returns (rows, bit-identical) per step."""
+    runner = llm.engine.runner
+    layers = runner.model.decode_layers(runner.block_size)
+    assert layers is not None
+    forward, steps = runner._forward, []
+
+    def both(model_input, ctx):
+        n = model_input.input_ids.shape[0]
+        if model_input.meta.num_decode_tokens != n:
+            return forward(model_input, ctx)
+        eager = runner.model(model_input.input_ids, model_input.positions, ctx)
+        caches = [(k.clone(), v.clone()) for k, v in ctx.kv_caches]
+        fused = layers(model_input.input_ids, model_input.positions, ctx)
+        same_caches = all(torch.equal(k, k2) and torch.equal(v, v2)
+                          for (k, v), (k2, v2) in zip(ctx.kv_caches, caches))
+        steps.append((n, torch.equal(eager, fused) and same_caches))
+        return fused
+
+    runner._forward = both
+    return steps
+
+
+@needs_op
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_the_op_gives_the_eager_step_bit_for_bit(op_models, name):
+    """Batches of 9 sequences (whole-sequence attention items at 9 >= 4 x 2 threads) shrinking
+    to 1 (one item a KV head), contexts of 1 to 5 pages: the op's hidden states and the K/V it
+    writes are the eager step's, bit for bit, at every size."""
+    llm = LLM(op_models[name], dtype="bfloat16", decode_mode="eager", max_num_seqs=16)
+    steps = _compare_with_eager(llm)
+    prompts = mixed_prompts(llm.tokenizer, count=9, seed=7)
+    lengths = [4, 9, 14, 20, 26, 30, 34, 38, 40]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n,
+                                                 ignore_eos=True) for n in lengths])
+    assert [len(o.token_ids) for o in outs] == lengths
+    sizes = {n for n, _ in steps}
+    assert 9 in sizes and 1 in sizes
+    assert all(same for _, same in steps), [n for n, same in steps if not same]
+
+
+@needs_op
+def test_layers_is_the_cpu_bf16_default_and_matches_transformers(op_models, shipped_defaults):
+    """`auto` in bf16 on the CPU: no graph to build, every decode step through the op, and
+    greedy output against transformers in bf16 under the bf16 tie rule (tests/parity.py)."""
+    assert EngineConfig(dtype="bfloat16").resolved_decode_mode == "layers"
+    llm = LLM(op_models["llama"], dtype="bfloat16", max_num_seqs=4)
+    runner = llm.engine.runner
+    assert runner.decode_mode == "layers" and runner.graphs is None
+    calls = []
+    layers = runner.decode_layers
+    runner.decode_layers = lambda ids, *rest: calls.append(ids.shape[0]) or layers(ids, *rest)
+    prompts = mixed_prompts(llm.tokenizer, count=7, seed=4)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    assert calls and max(calls) == 4
+    refs = hf_greedy(op_models["llama"], prompts, 12, set(llm.engine.eos_token_ids),
+                     torch.bfloat16)
+    ties = assert_parity([o.token_ids for o in outs], refs, TIE_GAP_BF16)
+    assert len(ties) <= len(prompts) // 2, ties
+
+
+def test_layers_gives_way_where_it_does_not_take_the_model(tiny_model, shipped_defaults,
+                                                           caplog):
+    """The tiny model's head size (16) has no attention instance: `auto` runs the compiled
+    step instead and says why; asked for by name, layers refuses, naming decode_mode; it is a
+    CPU mode."""
+    with caplog.at_level("INFO", logger="engine"):
+        llm = LLM(tiny_model, dtype="bfloat16", max_num_seqs=2)
+    assert llm.engine.runner.decode_mode == "compile" and llm.engine.runner.decode_layers is None
+    assert "decode_mode layers does not take" in caplog.text
+    with pytest.raises(ValueError, match="decode_mode 'layers'"):
+        LLM(tiny_model, dtype="bfloat16", decode_mode="layers")
+    with pytest.raises(ValueError, match="decode_mode 'layers'"):
+        LLM(tiny_model, dtype="float32", decode_mode="layers")
+    with pytest.raises(ValueError, match="decode_mode 'layers'"):
+        EngineConfig(decode_mode="layers", attention_backend="triton")
+
+
+@needs_op
+def test_the_op_refuses_bad_metadata_before_writing(op_models):
+    """A slot past the cache, a context length past the block table, or lists of the wrong
+    length raise a RuntimeError naming what is wrong, and no cache has been written."""
+    llm = LLM(op_models["llama"], dtype="bfloat16", decode_mode="eager", max_num_seqs=2,
+              num_blocks=8)
+    runner = llm.engine.runner
+    model, caches = runner.model, runner.kv_caches
+    op = cpu_ops.decode_layers_bf16(64, 2, 16)
+    args = _op_args(model, caches, torch.tensor([3, 36]), torch.tensor([4, 5], dtype=torch.int32))
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    slots = caches[0][0].shape[0] * caches[0][0].shape[1]
+    bad_slot = dict(args, slot_mapping=torch.tensor([3, slots]))  # the cache's slots: 0..slots-1
+    with pytest.raises(RuntimeError, match=f"slot {slots} out of range"):
+        op(**bad_slot)
+    bad_len = dict(args, seq_lens=torch.tensor([4, 33], dtype=torch.int32))  # 2 pages of 16
+    with pytest.raises(RuntimeError, match="seq_len 33 out of range"):
+        op(**bad_len)
+    with pytest.raises(RuntimeError, match="4L panels"):
+        op(**dict(args, panels=args["panels"][:-1]))
+    assert all(torch.equal(k, k0) and torch.equal(v, v0)
+               for (k, v), (k0, v0) in zip(caches, before))
+    x, residual = op(**args)  # the same arguments, valid: it runs
+    assert x.shape == residual.shape == (2, 128)
+    assert not torch.equal(caches[0][0].view(-1, 64)[36], before[0][0].view(-1, 64)[36])
+
+
+def _op_args(model, caches, slot_mapping, seq_lens) -> dict:
+    """The op's arguments for two decode rows of `model` (block tables of 2 pages of 16; the
+    rows' slots and lengths as given)."""
+    x = model.embed_tokens(torch.tensor([5, 6]))
+    cos, sin = model.rope.lookup(torch.tensor([3, 4]), x.dtype)
+    layers = model.layers
+    return dict(
+        x=x, norms=[n.weight for layer in layers
+                    for n in (layer.input_layernorm, layer.post_attention_layernorm)],
+        panels=[m.weight for layer in layers for m in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)],
+        biases=[], cos=cos, sin=sin, slot_mapping=slot_mapping,
+        k_caches=[k for k, _ in caches], v_caches=[v for _, v in caches],
+        block_tables=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), seq_lens=seq_lens,
+        num_heads=2, eps=model.arch.rms_norm_eps, scale=64 ** -0.5)
+
+
+@needs_op
+def test_the_ops_fake_agrees_with_it(op_models):
+    """What torch.compile would trace: the fake's shapes and dtypes are the op's, and the
+    schema declares the caches it writes."""
+    llm = LLM(op_models["llama"], dtype="bfloat16", decode_mode="eager", max_num_seqs=2,
+              num_blocks=8)
+    runner = llm.engine.runner
+    args = _op_args(runner.model, runner.kv_caches, torch.tensor([3, 36]),
+                    torch.tensor([4, 5], dtype=torch.int32))
+    torch.library.opcheck(torch.ops.tritonserve.decode_layers_bf16.default, (), args,
+                          test_utils=("test_schema", "test_faketensor"))
