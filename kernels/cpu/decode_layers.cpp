@@ -70,8 +70,8 @@ inline uint16_t* u16(torch::Tensor& t) {
 inline bf16* as_bf16(uint16_t* p) { return reinterpret_cast<bf16*>(p); }
 inline const bf16* as_bf16(const uint16_t* p) { return reinterpret_cast<const bf16*>(p); }
 
-// One matmul of the stack: rows of `in` (K wide) against panels into y (row stride ldy,
-// out_cols output columns a panel: 32, or 16 for the gate/up epilogue).
+// One matmul of the stack: P panels of a K-wide input's weight with N outputs, an fp32 bias
+// (padded to P * 32) or none; silu: the gate/up epilogue (16 outputs a panel, not 32).
 struct Matmul {
   const uint16_t* w;
   int64_t K, N, P;
@@ -109,7 +109,7 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers_bf16(
                     k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
                     k_caches[l].scalar_type() == torch::kBFloat16 &&
                     v_caches[l].scalar_type() == torch::kBFloat16,
-                "decode_layers_bf16: every layer's caches must be contiguous bfloat16 of one shape");
+                "decode_layers_bf16: every layer's caches must be contiguous bfloat16, one shape");
   TORCH_CHECK(num_heads >= 1 && num_heads % kv_heads == 0,
               "decode_layers_bf16: num_heads must be a multiple of the caches' kv_heads");
   const int64_t group = num_heads / kv_heads;
@@ -242,10 +242,10 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers_bf16(
       const bf16* sb = sin_ptr + b * D;
       bf16* kc = as_bf16(u16(k_caches[l])) + slot_ptr[b] * kv_size;
       bf16* vc = as_bf16(u16(v_caches[l])) + slot_ptr[b] * kv_size;
+      bf16* qb = as_bf16(q_p) + b * q_size;
       for (int64_t hk = it.h0; hk < it.h1; ++hk) {
         for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
-          tritonserve_rows::rotate_row(as_bf16(row + h * D), cb, sb, as_bf16(q_p) + b * q_size + h * D,
-                                       D / 2);
+          tritonserve_rows::rotate_row(as_bf16(row + h * D), cb, sb, qb + h * D, D / 2);
         tritonserve_rows::rotate_row(as_bf16(row + q_size + hk * D), cb, sb, kc + hk * D, D / 2);
         std::memcpy(vc + hk * D, row + q_size + kv_size + hk * D, D * sizeof(uint16_t));
       }
