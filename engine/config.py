@@ -11,21 +11,21 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 DTYPE_CHOICES = ("auto", *_DTYPES)  # auto: the model's dtype where the device runs it (dtype.py)
 
 # How a decode-only step runs (engine/decode_graphs.py, engine/model_runner.py). eager: op by
-# op, no static buffers. layers: the whole decoder stack as one C++ op (CPU bf16,
+# op, no static buffers. layers: the whole decoder stack as one C++ op (CPU fp32 / bf16,
 # kernels/cpu/decode_layers.cpp). auto: cudagraph on CUDA with the triton attention;
 # CPU_DECODE_MODES[dtype] on the CPU with the torch attention; eager otherwise.
 DECODE_MODES = ("auto", "eager", "static", "compile", "cudagraph", "compile+cudagraph", "layers")
 
-# SmolLM2 fp32 on a 2-core AVX2 EPYC, compiled vs eager: 40 vs 46 ms a step at batch 1, 116 vs
-# 125 at 16, 306 vs 370 at 64; served side by side, 1.1-1.35x eager's tok/s (docs/benchmarks.md,
-# sixth session), for ~145 s of compiling at the first start and ~30 s from the cache. bf16 on
-# a 2-core AVX512-BF16 EPYC: the layer stack in one op against the compiled graph (one
-# process, steps alternated) 9.86 vs 10.37 ms at batch 1, 15.4 vs 16.8 at 16, 39.9 vs 41.6 at
-# 64, and nothing to compile (nineteenth session). fp16 has no panels (its weights stay
-# plain): eager.
-CPU_DECODE_MODES = {"float32": "compile", "bfloat16": "layers"}
-# What `auto` runs instead of layers where the op does not take the model (q/k norms, a head
-# size without an instance, a build without AVX512-BF16): the model_runner decides, at load.
+# fp32 on a 2-core AVX2 EPYC, SmolLM2 compiled vs eager: 40 vs 46 ms a step at batch 1, 116 vs
+# 125 at 16, 306 vs 370 at 64, for ~145 s of compiling at the first start and ~30 s from the
+# cache (sixth session). The layer stack in one op against the compiled graph on a 2-core
+# AVX512-BF16 EPYC (one process, steps alternated; nineteenth session): bf16 9.86 vs 10.37 ms
+# at batch 1, 15.4 vs 16.8 at 16, 39.9 vs 41.6 at 64; fp32 14.4 vs 14.9, 36.9 vs 38.0, 143.8
+# vs 153.7; and nothing to compile. fp16 has no panels (its weights stay plain): eager.
+CPU_DECODE_MODES = {"float32": "layers", "bfloat16": "layers"}
+# What `auto` runs instead of layers where the op does not take the model (q/k norms; in bf16
+# a head size without an instance or a build without AVX512-BF16): the model_runner decides,
+# at load.
 LAYERS_FALLBACK = "compile"
 
 

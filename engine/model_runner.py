@@ -60,9 +60,10 @@ class ModelRunner:
                        f"size {self.block_size}, q/k norms {arch.qk_norm})")
                 if config.decode_mode != "auto":
                     raise ValueError(f"decode_mode 'layers' does not take {why}: it needs "
-                                     f"bfloat16 on a CPU with AVX512-BF16, head size 64 or "
-                                     f"128, at most 8 query heads a KV head, a block size "
-                                     f"that is a multiple of 16 and no q/k norms")
+                                     f"float32, or bfloat16 on a CPU with AVX512-BF16 with "
+                                     f"head size 64 or 128, at most 8 query heads a KV head "
+                                     f"and a block size that is a multiple of 16; and no q/k "
+                                     f"norms")
                 log.info("decode_mode layers does not take %s: %s", why, LAYERS_FALLBACK)
                 self.decode_mode = LAYERS_FALLBACK
         self.backend = make_attention_backend(config.use_triton("attention"), self.device)

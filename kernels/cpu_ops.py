@@ -30,7 +30,8 @@ SOURCES = [Path(__file__).parent / "cpu" / name
                         "sampling.cpp", "decode_layers.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / name  # staged beside them, not compiled
            for name in ("vec_math.h", "page_sweep.h", "paged_decode_bf16.h", "owned_panels.h",
-                     "panels_bf16.h", "rows.h")]
+                     "panels_bf16.h", "panels_fp32.h", "rows.h",
+                     "paged_decode_portable.h")]
 # -O3 with -march=native lets the compiler vectorise the head_dim loops for this CPU (AVX2 /
 # AVX-512); the cache directory is per machine, so the native build is never shared.
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it (2x slower on 2 cores); the
@@ -131,7 +132,7 @@ def _register_fake() -> None:
     def _(x, panels):
         return x.new_empty(x.shape[0], panels.shape[0] * 16)
 
-    @torch.library.register_fake("tritonserve::decode_layers_bf16")
+    @torch.library.register_fake("tritonserve::decode_layers")
     def _(x, norms, panels, biases, cos, sin, slot_mapping, k_caches, v_caches, block_tables,
           seq_lens, num_heads, eps, scale):
         return x.new_empty(x.shape), x.new_empty(x.shape)
@@ -220,15 +221,15 @@ def pack_gate_up_bf16(weight: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def decode_layers_bf16(head_dim: int, group: int, block_size: int):
-    """torch.ops.tritonserve.decode_layers_bf16 (kernels/cpu/decode_layers.cpp: a decode step's
-    whole decoder stack in one parallel region) when this build runs it for these shapes
-    (AVX512-BF16, head size 64 or 128, up to 8 query heads a KV head, pages of a multiple of 16
-    slots); else None."""
-    if not load() or not torch.ops.tritonserve.decode_layers_bf16_supported(
-            head_dim, group, block_size):
+def decode_layers(dtype: torch.dtype, head_dim: int, group: int, block_size: int):
+    """torch.ops.tritonserve.decode_layers (kernels/cpu/decode_layers.cpp: a decode step's
+    whole decoder stack in one parallel region) when this build runs it for the dtype and
+    shapes: fp32 always, bf16 with AVX512-BF16 for head sizes 64 and 128, up to 8 query heads
+    a KV head, pages of a multiple of 16 slots; else None."""
+    if not load() or not torch.ops.tritonserve.decode_layers_supported(
+            dtype, head_dim, group, block_size):
         return None
-    return torch.ops.tritonserve.decode_layers_bf16
+    return torch.ops.tritonserve.decode_layers
 
 
 def sample_softmax():

@@ -107,9 +107,9 @@ def test_decode_mode_choices_and_enforce_eager(tiny_model, shipped_defaults):
     assert parse_args([]).decode_mode == EngineConfig.decode_mode == "auto"
     assert parse_args(["--enforce-eager"]).decode_mode == "eager"
     assert parse_args(["--decode-mode", "static"]).decode_mode == "static"
-    # the CPU default (measured): compiled in fp32, the layers op in bf16, eager in
-    # fp16 (plain weights) or with the triton kernels
-    assert EngineConfig(dtype="float32").resolved_decode_mode == "compile"
+    # the CPU default (measured): the layers op in fp32 and bf16 (compiled where it does not
+    # take the model), eager in fp16 (plain weights) or with the triton kernels
+    assert EngineConfig(dtype="float32").resolved_decode_mode == "layers"
     assert EngineConfig(dtype="bfloat16").resolved_decode_mode == "layers"
     assert EngineConfig(dtype="float16").resolved_decode_mode == "eager"
     assert EngineConfig(dtype="float32", attention_backend="triton").resolved_decode_mode \
@@ -142,14 +142,14 @@ def test_decode_mode_choices_and_enforce_eager(tiny_model, shipped_defaults):
 @pytest.mark.slow
 @pytest.mark.skipif(cpu_ops.paged_decode_attention() is None, reason="no C++ toolchain")
 def test_compiled_decode_matches_transformers(tiny_model, shipped_defaults, tmp_path):
-    """The CPU default in fp32: Inductor compiles the forward (fullgraph: the attention, KV
+    """The compiled step in fp32 (`layers`' fallback): Inductor compiles the forward (fullgraph: the attention, KV
     write, C++ decode and the panel matmuls are tritonserve ops) into two graphs, batch 1 and a
     dynamic batch 2..4: steps of 3 rows run at 3 with no padding and no further compile; fp32
     greedy stays token-identical. A second engine of the same shapes, other weights, reuses the
     graphs (dynamo lifts the weights and caches to graph inputs) and matches its own model."""
     from torch._dynamo.utils import counters
     graphs_before = counters["stats"]["unique_graphs"]
-    llm = LLM(tiny_model, dtype="float32", max_num_seqs=4)
+    llm = LLM(tiny_model, dtype="float32", max_num_seqs=4, decode_mode="compile")
     graphs = llm.engine.runner.graphs
     assert graphs.mode == "compile" and graphs.sizes == [1, 4] and graphs.build_seconds > 0
     compiled = counters["stats"]["unique_graphs"] - graphs_before
@@ -164,7 +164,7 @@ def test_compiled_decode_matches_transformers(tiny_model, shipped_defaults, tmp_
     assert_parity([o.token_ids for o in outs],
                   hf_greedy(tiny_model, prompts, 12, set(llm.engine.eos_token_ids)))
     other = str(write_tiny_model(tmp_path / "other", seed=1))
-    again = LLM(other, dtype="float32", max_num_seqs=4)
+    again = LLM(other, dtype="float32", max_num_seqs=4, decode_mode="compile")
     assert counters["stats"]["unique_graphs"] - graphs_before == compiled
     other_outs = again.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
     assert again.engine.runner.graphs.direct  # its own inputs: its weights and caches
@@ -174,7 +174,8 @@ def test_compiled_decode_matches_transformers(tiny_model, shipped_defaults, tmp_
 
 
 def test_compiled_bf16_decode_matches_transformers_in_bf16(tiny_model, shipped_defaults):
-    """The CPU default in bf16 (--dtype auto on a CPU with native bf16): compiled, every
+    """The compiled step in bf16 (what `auto` runs where layers does not take the model: the
+    tiny model's head size has no bf16 attention instance): every
     projection on the bf16 panels (kernels/cpu/linear_bf16.cpp) inside the graph. Against
     transformers in bf16 with the bf16 tie rule (tests/parity.py: a divergence only where the
     reference's top two logits lie within one bf16 step), as the eager bf16 parity test."""

@@ -1,8 +1,10 @@
 """decode_mode layers: a decode step's whole decoder stack as one C++ op
-(kernels/cpu/decode_layers.cpp), the CPU bf16 default. It must give the eager step's hidden
-states bit for bit (same kernels, same roundings, one parallel region), write the caches as
-the eager step does, refuse bad metadata before writing anything, and give way to the
-compiled step where it does not take the model."""
+(kernels/cpu/decode_layers.cpp), the CPU default in bf16 and fp32. In bf16 it must give the
+eager step's hidden states bit for bit (same kernels, same roundings, one parallel region)
+and write the caches as the eager step does; in fp32 (its rope in one C++ pass where eager
+fp32 runs torch's ops) stay within fp32 rounding of it and token-identical to transformers;
+refuse bad metadata before writing anything; and give way to the compiled step where it does
+not take the model."""
 from __future__ import annotations
 
 import pytest
@@ -16,8 +18,10 @@ from tests.test_engine_parity import mixed_prompts
 from tests.tiny_models import write_tiny_model
 
 # the op's attention has instances for head sizes 64 and 128 (the tiny test model's is 16)
-needs_op = pytest.mark.skipif(cpu_ops.decode_layers_bf16(64, 2, 16) is None,
+needs_op = pytest.mark.skipif(cpu_ops.decode_layers(torch.bfloat16, 64, 2, 16) is None,
                               reason="no AVX512-BF16 build of the C++ ops")
+needs_fp32_op = pytest.mark.skipif(cpu_ops.decode_layers(torch.float32, 16, 2, 16) is None,
+                                   reason="no C++ toolchain")
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2,
              num_key_value_heads=1)
 
@@ -36,9 +40,11 @@ def op_models(tmp_path_factory) -> dict[str, str]:
     }
 
 
-def _compare_with_eager(llm) -> list[tuple[int, bool]]:
+def _compare_with_eager(llm) -> list[tuple[int, float, bool]]:
     """Runs every decode-only step of `llm` (an eager engine) through the eager forward and
-    then the op on the same inputs; returns (rows, bit-identical) per step."""
+    then the op on the same inputs; returns per step (rows, the largest difference between
+    the two hidden states relative to the largest value, whether hidden states and caches are
+    bit-identical)."""
     runner = llm.engine.runner
     layers = runner.model.decode_layers(runner.block_size)
     assert layers is not None
@@ -53,7 +59,8 @@ def _compare_with_eager(llm) -> list[tuple[int, bool]]:
         fused = layers(model_input.input_ids, model_input.positions, ctx)
         same_caches = all(torch.equal(k, k2) and torch.equal(v, v2)
                           for (k, v), (k2, v2) in zip(ctx.kv_caches, caches))
-        steps.append((n, torch.equal(eager, fused) and same_caches))
+        gap = ((eager.float() - fused.float()).abs().max() / eager.float().abs().max()).item()
+        steps.append((n, gap, torch.equal(eager, fused) and same_caches))
         return fused
 
     runner._forward = both
@@ -73,16 +80,36 @@ def test_the_op_gives_the_eager_step_bit_for_bit(op_models, name):
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n,
                                                  ignore_eos=True) for n in lengths])
     assert [len(o.token_ids) for o in outs] == lengths
-    sizes = {n for n, _ in steps}
+    sizes = {n for n, _, _ in steps}
     assert 9 in sizes and 1 in sizes
-    assert all(same for _, same in steps), [n for n, same in steps if not same]
+    assert all(same for _, _, same in steps), [n for n, _, same in steps if not same]
+
+
+@needs_fp32_op
+def test_the_fp32_op_stays_within_rounding_of_the_eager_step(tiny_models):
+    """fp32 (the tiny models' head size 16, group 2: the portable attention): the op's hidden
+    states within 1e-5 of the eager step's, relative to their largest value, at batches of 9
+    down to 1 (the rope rounds once in C++ where eager fp32 runs torch's ops), for Llama and
+    Qwen2 with its qkv bias."""
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+        llm = LLM(tiny_models[arch], dtype="float32", decode_mode="eager", max_num_seqs=16)
+        steps = _compare_with_eager(llm)
+        prompts = mixed_prompts(llm.tokenizer, count=9, seed=7)
+        lengths = [4, 9, 14, 20, 26, 30, 34, 38, 40]
+        llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                               for n in lengths])
+        assert {9, 1} <= {n for n, _, _ in steps}
+        assert max(gap for _, gap, _ in steps) < 1e-5, arch
 
 
 @needs_op
-def test_layers_is_the_cpu_bf16_default_and_matches_transformers(op_models, shipped_defaults):
-    """`auto` in bf16 on the CPU: no graph to build, every decode step through the op, and
-    greedy output against transformers in bf16 under the bf16 tie rule (tests/parity.py)."""
+def test_layers_is_the_cpu_default_and_matches_transformers_in_bf16(op_models,
+                                                                    shipped_defaults):
+    """`auto` on the CPU (fp32 and bf16): no graph to build, every decode step through the
+    op, and bf16 greedy output against transformers in bf16 under the bf16 tie rule
+    (tests/parity.py)."""
     assert EngineConfig(dtype="bfloat16").resolved_decode_mode == "layers"
+    assert EngineConfig(dtype="float32").resolved_decode_mode == "layers"
     llm = LLM(op_models["llama"], dtype="bfloat16", max_num_seqs=4)
     runner = llm.engine.runner
     assert runner.decode_mode == "layers" and runner.graphs is None
@@ -98,11 +125,11 @@ def test_layers_is_the_cpu_bf16_default_and_matches_transformers(op_models, ship
     assert len(ties) <= len(prompts) // 2, ties
 
 
-def test_layers_gives_way_where_it_does_not_take_the_model(tiny_model, shipped_defaults,
-                                                           caplog):
-    """The tiny model's head size (16) has no attention instance: `auto` runs the compiled
-    step instead and says why; asked for by name, layers refuses, naming decode_mode; it is a
-    CPU mode."""
+def test_layers_gives_way_where_it_does_not_take_the_model(tiny_model, tiny_models,
+                                                           shipped_defaults, caplog):
+    """The tiny model's head size (16) has no bf16 attention instance: `auto` runs the
+    compiled step instead and says why; asked for by name, layers refuses, naming
+    decode_mode (so does a model with q/k norms, in any dtype); it is a CPU mode."""
     with caplog.at_level("INFO", logger="engine"):
         llm = LLM(tiny_model, dtype="bfloat16", max_num_seqs=2)
     assert llm.engine.runner.decode_mode == "compile" and llm.engine.runner.decode_layers is None
@@ -110,9 +137,23 @@ def test_layers_gives_way_where_it_does_not_take_the_model(tiny_model, shipped_d
     with pytest.raises(ValueError, match="decode_mode 'layers'"):
         LLM(tiny_model, dtype="bfloat16", decode_mode="layers")
     with pytest.raises(ValueError, match="decode_mode 'layers'"):
-        LLM(tiny_model, dtype="float32", decode_mode="layers")
+        LLM(tiny_models["Qwen3ForCausalLM"], dtype="float32", decode_mode="layers")  # q/k norms
     with pytest.raises(ValueError, match="decode_mode 'layers'"):
         EngineConfig(decode_mode="layers", attention_backend="triton")
+
+
+@needs_fp32_op
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"])
+def test_fp32_layers_is_token_identical_to_transformers(tiny_models, arch):
+    """fp32 greedy through the op, batches of up to 4 with sequences ending at different
+    steps: token-identical to transformers (the fp32 tie rule), as the eager and compiled
+    fp32 paths are."""
+    llm = LLM(tiny_models[arch], dtype="float32", decode_mode="layers", max_num_seqs=4)
+    assert llm.engine.runner.decode_layers is not None
+    prompts = mixed_prompts(llm.tokenizer, count=7, seed=5)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=14))
+    assert_parity([o.token_ids for o in outs],
+                  hf_greedy(tiny_models[arch], prompts, 14, set(llm.engine.eos_token_ids)))
 
 
 @needs_op
@@ -123,7 +164,7 @@ def test_the_op_refuses_bad_metadata_before_writing(op_models):
               num_blocks=8)
     runner = llm.engine.runner
     model, caches = runner.model, runner.kv_caches
-    op = cpu_ops.decode_layers_bf16(64, 2, 16)
+    op = cpu_ops.decode_layers(torch.bfloat16, 64, 2, 16)
     args = _op_args(model, caches, torch.tensor([3, 36]), torch.tensor([4, 5], dtype=torch.int32))
     before = [(k.clone(), v.clone()) for k, v in caches]
     slots = caches[0][0].shape[0] * caches[0][0].shape[1]
@@ -169,5 +210,5 @@ def test_the_ops_fake_agrees_with_it(op_models):
     runner = llm.engine.runner
     args = _op_args(runner.model, runner.kv_caches, torch.tensor([3, 36]),
                     torch.tensor([4, 5], dtype=torch.int32))
-    torch.library.opcheck(torch.ops.tritonserve.decode_layers_bf16.default, (), args,
+    torch.library.opcheck(torch.ops.tritonserve.decode_layers.default, (), args,
                           test_utils=("test_schema", "test_faketensor"))

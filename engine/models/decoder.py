@@ -224,19 +224,21 @@ class DecoderForCausalLM(nn.Module):
     def decode_layers(self, block_size: int):
         """The C++ op that runs this model's whole layer stack for a decode step
         (kernels/cpu/decode_layers.cpp) with its weights, as a function of (input_ids,
-        positions, ctx) -> hidden [T, hidden]; None where it does not apply: not CPU bf16
-        with every projection in the bf16 panels and gate/up with its activation
-        (prepack_weights), q/k norms (Qwen3), or no instance for the head shapes."""
+        positions, ctx) -> hidden [T, hidden]; None where it does not apply: not on the CPU
+        in bf16 (every projection in the bf16 panels, gate/up with its activation) or fp32
+        (the fp32 panels), q/k norms (Qwen3), or no instance for the head shapes."""
         arch = self.arch
-        op = cpu_ops.decode_layers_bf16(arch.head_dim, arch.num_heads // arch.num_kv_heads,
-                                        block_size)
+        dtype = self.embed_tokens.weight.dtype
+        op = cpu_ops.decode_layers(dtype, arch.head_dim, arch.num_heads // arch.num_kv_heads,
+                                   block_size)
         mlps = [layer.mlp for layer in self.layers]
         linears = [m for layer in self.layers for m in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
             layer.mlp.down_proj)]
-        if (op is None or arch.qk_norm or self.embed_tokens.weight.dtype != torch.bfloat16
-                or not all(m.silu_in_matmul for m in mlps)
-                or not all(lin.weight.dim() == 4 for lin in linears)):
+        packed = {torch.bfloat16: 4, torch.float32: 3}.get(dtype)  # panels' dims
+        if (op is None or arch.qk_norm or packed is None
+                or any(m.silu_in_matmul != (dtype == torch.bfloat16) for m in mlps)
+                or not all(lin.weight.dim() == packed for lin in linears)):
             return None
         norms = [n.weight for layer in self.layers
                  for n in (layer.input_layernorm, layer.post_attention_layernorm)]

@@ -27,16 +27,6 @@ namespace {
 
 using namespace tritonserve_rows;
 
-template <typename T>
-void silu_and_mul_row(const T* gate, const T* up, T* o, int64_t inner) {
-#pragma omp simd
-  for (int64_t i = 0; i < inner; ++i) {
-    const float g = load_f(gate + i);
-    // silu rounded to the dtype first, as F.silu(gate) * up computes it
-    store_f(o + i, tritonserve_vec::silu_as<T>(g) * load_f(up + i));
-  }
-}
-
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, const torch::Tensor& weight,
                   double eps) {
   TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(), "x and residual must be [T, H]");

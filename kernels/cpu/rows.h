@@ -88,6 +88,16 @@ void add_rms_norm_row(T* xr, T* rr, const T* wp, int64_t hidden, float eps) {
 }
 
 template <typename T>
+void silu_and_mul_row(const T* gate, const T* up, T* o, int64_t inner) {
+#pragma omp simd
+  for (int64_t i = 0; i < inner; ++i) {
+    const float g = load_f(gate + i);
+    // silu rounded to the dtype first, as F.silu(gate) * up computes it
+    store_f(o + i, tritonserve_vec::silu_as<T>(g) * load_f(up + i));
+  }
+}
+
+template <typename T>
 void rotate_row(const T* x, const T* c, const T* s, T* o, int64_t half) {
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
