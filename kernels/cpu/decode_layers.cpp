@@ -202,24 +202,27 @@ std::tuple<torch::Tensor, torch::Tensor> run_stack(
   const float feps = static_cast<float>(eps), fscale = static_cast<float>(scale);
 
   // the item's attention over its KV heads [it.h0, it.h1): q at q_b, out at att_b
+#ifdef TS_DECODE_LAYERS_BF16
+  const auto bf16_attend = tritonserve_decode_bf16::pick(D, group, block_size, false);
+#endif
+  const auto fp32_attend = D == 64    ? tritonserve_decode_portable::decode_seq<float, 64>
+                           : D == 128 ? tritonserve_decode_portable::decode_seq<float, 128>
+                                      : tritonserve_decode_portable::decode_seq<float, 0>;
   auto attend = [&](int64_t l, const Item& it, const Item* following, const T* q_b, T* att_b) {
     const T* kc = data<T>(k_caches[l]);
     const T* vc = data<T>(v_caches[l]);
 #ifdef TS_DECODE_LAYERS_BF16
     if constexpr (kBf16) {
-      const auto one = tritonserve_decode_bf16::pick(D, group, block_size, false);
-      one(reinterpret_cast<const uint16_t*>(q_b), reinterpret_cast<const uint16_t*>(kc),
-          reinterpret_cast<const uint16_t*>(vc), it, following, block_size, kv_heads, fscale,
-          reinterpret_cast<uint16_t*>(att_b), D, D);
+      bf16_attend(reinterpret_cast<const uint16_t*>(q_b),
+                  reinterpret_cast<const uint16_t*>(kc), reinterpret_cast<const uint16_t*>(vc),
+                  it, following, block_size, kv_heads, fscale,
+                  reinterpret_cast<uint16_t*>(att_b), D, D);
       return;
     }
 #endif
     if constexpr (!kBf16) {
-      auto one = D == 64    ? tritonserve_decode_portable::decode_seq<float, 64>
-                 : D == 128 ? tritonserve_decode_portable::decode_seq<float, 128>
-                            : tritonserve_decode_portable::decode_seq<float, 0>;
-      one(q_b, kc, vc, it.table, it.len, block_size, kv_heads, D, group, it.h0, it.h1, fscale,
-          att_b, D, D, false);
+      fp32_attend(q_b, kc, vc, it.table, it.len, block_size, kv_heads, D, group, it.h0, it.h1,
+                  fscale, att_b, D, D, false);
     }
     (void)following;
   };
