@@ -65,10 +65,11 @@ class SamplingParams:
         if not 0 <= temperature <= MAX_TEMPERATURE:
             _fail("temperature", f"in [0, {MAX_TEMPERATURE:g}] (0 means greedy)",
                   self.temperature)
+        if 0 < temperature < MIN_TEMPERATURE:
+            temperature = MIN_TEMPERATURE
         # stored as floats: an int (temperature=0) reached the sampler's tensors as int64,
         # which the C++ draw refuses
-        object.__setattr__(self, "temperature", temperature if temperature == 0 or
-                           temperature >= MIN_TEMPERATURE else MIN_TEMPERATURE)
+        object.__setattr__(self, "temperature", temperature)
         if _check_int("top_k", self.top_k) < -1:
             _fail("top_k", "-1 (off), 0 (off) or a positive integer", self.top_k)
         top_p = _check_number("top_p", self.top_p)

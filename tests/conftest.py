@@ -31,7 +31,7 @@ def eager_cpu_decode_by_default():
 
 @pytest.fixture
 def shipped_defaults(monkeypatch):
-    """The CPU decode modes `auto` resolves to as shipped (fp32 compile, bf16 layers)."""
+    """The CPU decode modes `auto` resolves to as shipped (layers in fp32 and bf16)."""
     monkeypatch.setattr(engine_config, "CPU_DECODE_MODES", SHIPPED_CPU_DECODE_MODES)
 
 
