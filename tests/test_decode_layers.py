@@ -212,3 +212,32 @@ def test_the_ops_fake_agrees_with_it(op_models):
                     torch.tensor([4, 5], dtype=torch.int32))
     torch.library.opcheck(torch.ops.tritonserve.decode_layers.default, (), args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_op_does_not_depend_on_the_thread_count(op_models, dtype):
+    """1, 2 or 3 threads (a team that does not divide the panels evenly, whose spans are taken
+    from each other's backs): the same hidden states and cache writes, bit for bit."""
+    llm = LLM(op_models["qwen2"], dtype=dtype, decode_mode="eager", max_num_seqs=2,
+              num_blocks=8)
+    runner = llm.engine.runner
+    args = _op_args(runner.model, runner.kv_caches, torch.tensor([3, 36]),
+                    torch.tensor([4, 5], dtype=torch.int32))
+    args["biases"] = [layer.self_attn.qkv_proj.bias for layer in runner.model.layers]
+    op = cpu_ops.decode_layers(getattr(torch, dtype), 64, 2, 16)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+            run = dict(args, k_caches=[k for k, _ in caches], v_caches=[v for _, v in caches])
+            results.append((op(**run), caches))
+    finally:
+        torch.set_num_threads(threads)
+    (x0, r0), caches0 = results[0]
+    for (x, r), caches in results[1:]:
+        assert torch.equal(x, x0) and torch.equal(r, r0)
+        assert all(torch.equal(a, b) for pair, pair0 in zip(caches, caches0)
+                   for a, b in zip(pair, pair0))
