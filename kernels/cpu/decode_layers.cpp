@@ -29,7 +29,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -177,21 +176,13 @@ std::tuple<torch::Tensor, torch::Tensor> run_stack(
     for (int64_t t = 0; t < threads; ++t)
       owned[i * threads + t].span.store(static_cast<uint64_t>((t + 1) * mm[i].P / threads) << 32 |
                                         static_cast<uint64_t>(t * mm[i].P / threads));
-  // attention items as paged_decode.cpp makes them: whole sequences when there are enough to
-  // go round, else one per KV head; longest first, claimed in turn (a counter a layer)
-  const int64_t split = M >= 4 * threads ? 1 : kv_heads, items = M * split;
-  std::vector<int64_t> order(M);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
+  // attention items as paged_decode.cpp makes them (page_sweep.h), claimed in turn (a
+  // counter a layer)
+  using tritonserve_sweep::Item;
+  const tritonserve_sweep::Items work(table_ptr, len_ptr, M, width, kv_heads, threads);
+  const int64_t items = work.count;
   std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[L]);
   for (int64_t l = 0; l < L; ++l) next[l].store(0);
-  using tritonserve_sweep::Item;
-  auto item_at = [&](int64_t item) {
-    const int64_t b = order[item / split], part = item % split;
-    return Item{table_ptr + b * width, len_ptr[b], part * kv_heads / split,
-                (part + 1) * kv_heads / split};
-  };
   T* xs_p = data<T>(xs);
   T* qkv_p = data<T>(qkv);
   T* q_p = data<T>(q);
@@ -288,9 +279,9 @@ std::tuple<torch::Tensor, torch::Tensor> run_stack(
 #pragma omp barrier
       for (int64_t item = next[l]++; item < items;) {
         const int64_t following = next[l]++;
-        const Item it = item_at(item);
-        const Item after = following < items ? item_at(following) : it;
-        attention(l, it, following < items ? &after : nullptr, order[item / split]);
+        const Item it = work.at(item);
+        const Item after = following < items ? work.at(following) : it;
+        attention(l, it, following < items ? &after : nullptr, work.seq(item));
         item = following;
       }
 #pragma omp barrier

@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
+#include <vector>
 
 namespace tritonserve_sweep {
 
@@ -138,6 +140,32 @@ class Ahead {
 struct Item {
   const int32_t* table;
   int64_t len, h0, h1;
+};
+
+// A decode call's work items (paged_decode.cpp, decode_layers.cpp): one a sequence (whole
+// pages, sequential reads) when there are at least 4 sequences a thread, else one a KV head
+// (batch 1 would otherwise use one core); longest sequences first, so that threads claiming
+// the next item in turn do not leave the longest for last (a static split of the range did).
+struct Items {
+  const int32_t* tables;  // [batch, width]
+  const int32_t* lens;    // [batch]
+  int64_t width, kv_heads, split, count;
+  std::vector<int64_t> order;  // item / split -> sequence
+
+  Items(const int32_t* tables_, const int32_t* lens_, int64_t batch, int64_t width_,
+        int64_t kv_heads_, int64_t threads)
+      : tables(tables_), lens(lens_), width(width_), kv_heads(kv_heads_),
+        split(batch >= 4 * threads ? 1 : kv_heads_), count(batch * split), order(batch) {
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  }
+  int64_t seq(int64_t item) const { return order[item / split]; }
+  Item at(int64_t item) const {
+    const int64_t b = seq(item), part = item % split;
+    return Item{tables + b * width, lens[b], part * kv_heads / split,
+                (part + 1) * kv_heads / split};
+  }
 };
 
 // Pages one sweep of `it` covers (its heads of `head_dim` elements of T a token slot)

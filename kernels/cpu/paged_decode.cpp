@@ -28,7 +28,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -61,35 +60,22 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   auto out = torch::empty({batch, heads, head_dim}, q.options());
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
-  const int64_t table_stride = tables.size(1);
-  // items per sequence: 1 (whole pages, sequential reads) when there are enough sequences
-  // to keep every thread busy, else one per KV head (batch 1 would otherwise use one core)
-  const int64_t split = batch >= 4 * at::get_num_threads() ? 1 : kv_heads;
-  // item -> (sequence, KV heads [h0, h1)), longest sequences first, each thread claiming the
-  // next item when it is done: a static split of the range left the thread with the longer
-  // sequences finishing last
-  std::vector<int64_t> order(batch);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return len_ptr[a] > len_ptr[b]; });
+  const tritonserve_sweep::Items work(table_ptr, len_ptr, batch, tables.size(1), kv_heads,
+                                      at::get_num_threads());
   // work(item, following): each thread claims its next item before it runs this one (the
   // bf16 path asks for the following item's first page during this one's last); following
   // is -1 when there is none
-  const int64_t items = batch * split;
-  auto for_each_item = [&](auto&& work) {
+  const int64_t items = work.count;
+  auto for_each_item = [&](auto&& run) {
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       for (int64_t item = next++; item < items;) {
         const int64_t following = next++;
-        work(item, following < items ? following : -1);
+        run(item, following < items ? following : -1);
         item = following;
       }
     });
   };
-  // an item's sequence and KV heads [h0, h1)
-  auto seq_of = [&](int64_t item) { return order[item / split]; };
-  auto h0_of = [&](int64_t item) { return item % split * kv_heads / split; };
-  auto h1_of = [&](int64_t item) { return (item % split + 1) * kv_heads / split; };
   const int64_t q_seq_stride = qc.stride(0), q_head_stride = qc.stride(1);
 #ifdef TRITONSERVE_DECODE_BF16
   if (q.scalar_type() == at::kBFloat16) {
@@ -99,14 +85,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
       const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
       auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
-      auto item_at = [&](int64_t item) {
-        const int64_t b = seq_of(item);
-        return Item{table_ptr + b * table_stride, len_ptr[b], h0_of(item), h1_of(item)};
-      };
       for_each_item([&](int64_t item, int64_t following) {
-        const Item it = item_at(item);
-        const Item after = following >= 0 ? item_at(following) : it;
-        const int64_t b = seq_of(item);
+        const Item it = work.at(item);
+        const Item after = following >= 0 ? work.at(following) : it;
+        const int64_t b = work.seq(item);
         one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, it, following >= 0 ? &after : nullptr,
             block_size, kv_heads, static_cast<float>(scale), out_ptr + b * heads * head_dim,
             q_head_stride, head_dim);
@@ -123,9 +105,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     auto one = head_dim == 64 ? decode_seq<scalar_t, 64>
              : head_dim == 128 ? decode_seq<scalar_t, 128> : decode_seq<scalar_t, 0>;
     for_each_item([&](int64_t item, int64_t) {
-      const int64_t b = seq_of(item);
-      one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, table_ptr + b * table_stride, len_ptr[b],
-          block_size, kv_heads, head_dim, group, h0_of(item), h1_of(item),
+      const tritonserve_sweep::Item it = work.at(item);
+      const int64_t b = work.seq(item);
+      one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, it.table, it.len,
+          block_size, kv_heads, head_dim, group, it.h0, it.h1,
           static_cast<float>(scale), out_ptr + b * heads * head_dim, q_head_stride, head_dim,
           cached);
     });
