@@ -30,7 +30,7 @@ SOURCES = [Path(__file__).parent / "cpu" / name
                         "sampling.cpp", "decode_layers.cpp")]
 HEADERS = [Path(__file__).parent / "cpu" / name  # staged beside them, not compiled
            for name in ("vec_math.h", "page_sweep.h", "paged_decode_bf16.h", "owned_panels.h",
-                     "panels_bf16.h", "panels_fp32.h", "rows.h",
+                     "panels_bf16.h", "panels_amx.h", "panels_fp32.h", "rows.h",
                      "paged_decode_portable.h")]
 # -O3 with -march=native lets the compiler vectorise the head_dim loops for this CPU (AVX2 /
 # AVX-512); the cache directory is per machine, so the native build is never shared.
@@ -197,6 +197,18 @@ def packed_linear_bf16():
     if not load():
         return None
     return torch.ops.tritonserve.pack_linear_weight_bf16, torch.ops.tritonserve.packed_linear_bf16
+
+
+def set_amx(on: bool) -> bool:
+    """Intel AMX tiles for every bf16 panel matmul (kernels/cpu/panels_amx.h) on or off, for
+    the whole process (TRITONSERVE_AMX=0 starts them off); returns whether they are in use
+    now: False where the CPU, the OS or the build has none."""
+    return load() and bool(torch.ops.tritonserve.set_amx(on))
+
+
+def amx_enabled() -> bool:
+    """Whether bf16 panel matmuls of 4 rows or more (K a multiple of 32) run on AMX tiles."""
+    return load() and bool(torch.ops.tritonserve.amx_enabled())
 
 
 @functools.cache

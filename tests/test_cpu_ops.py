@@ -223,6 +223,56 @@ def test_bf16_panels_round_the_exact_product_once(rows, n, k):
         assert (out.double() - exact.bfloat16().double()).abs().gt(0).float().mean() < 0.01
 
 
+@pytest.fixture(params=[False, True], ids=["avx512", "amx"])
+def amx_tiles(request):
+    """The bf16 panel matmuls with AMX tiles off, then on (skipped where the CPU, the OS or
+    the build has none); restored after."""
+    before = cpu_ops.amx_enabled()
+    if cpu_ops.set_amx(request.param) != request.param:
+        cpu_ops.set_amx(before)
+        pytest.skip("no AMX-BF16 here")
+    yield request.param
+    cpu_ops.set_amx(before)
+
+
+@needs_op
+@pytest.mark.parametrize("rows,n,k", [
+    (4, 70, 64), (16, 33, 576), (17, 1000, 96),  # one tile, a tile and a staged tail row
+    (33, 64, 1536), (64, 1536, 576),  # a pair and a partial tile; SmolLM2's o / gate shapes
+    (300, 130, 64),  # prefill-sized: row blocks of whole tile pairs, then a staged tail
+    (24, 24576, 64),  # an output past 1 MB: non-temporal rows
+])
+def test_bf16_panels_on_amx_tiles_round_the_exact_product_once(amx_tiles, rows, n, k):
+    """Shapes the AMX tiles take (K a multiple of 32, 4 rows or more): on the tiles and off
+    them, every element is the float64 product (+ bias) rounded to bf16 within one bf16 step
+    and the fp32 sum's error, as test_bf16_panels_round_the_exact_product_once asks; with
+    the tiles on, rows past M (a partial last tile) never reach the output, and the gate/up
+    epilogue matches the unfused path through the same tiles."""
+    assert cpu_ops.amx_enabled() == amx_tiles
+    pack, product = cpu_ops.packed_linear_bf16()
+    generator = torch.Generator().manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    weight = (torch.randn(n, k, generator=generator) / k ** 0.5).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16()
+    panels = pack(weight)
+    for b in (None, bias):
+        out = product(x, panels, n, b)
+        exact = x.double() @ weight.double().t() + (0 if b is None else b.double())
+        step = exact.abs().clamp_min(1e-30).log2().floor().exp2() / 128
+        slack = 2 ** -22 * (x.double().abs() @ weight.double().abs().t())
+        assert ((out.double() - exact).abs() <= step + slack).all()
+        assert (out.double() - exact.bfloat16().double()).abs().gt(0).float().mean() < 0.01
+    # a row's result does not depend on the rows around it (the tail's padding included)
+    assert torch.equal(product(x[:rows - 1], panels, n, None), product(x, panels, n, None)[:-1])
+    inter = 16 * (n // 16 + 1)
+    pack_gate_up, fused = cpu_ops.packed_linear_silu_mul_bf16()
+    gate_up = (torch.randn(2 * inter, k, generator=generator) * 4 / k ** 0.5).bfloat16()
+    unfused = reference.silu_and_mul(product(x * 3, pack(gate_up), 2 * inter, None))
+    diff = (fused(x * 3, pack_gate_up(gate_up)).double() - unfused.double()).abs()
+    assert (diff <= unfused.double().abs().clamp_min(1e-30).log2().floor().exp2() / 128
+            + 1e-30).all()
+
+
 @needs_op
 def test_bf16_panels_refuse_mismatched_inputs():
     pack, product = cpu_ops.packed_linear_bf16()

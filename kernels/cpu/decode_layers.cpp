@@ -35,6 +35,7 @@
 #include "owned_panels.h"
 #include "paged_decode_bf16.h"
 #include "paged_decode_portable.h"
+#include "panels_amx.h"
 #include "panels_bf16.h"
 #include "panels_fp32.h"
 #include "rows.h"
@@ -164,12 +165,14 @@ std::tuple<torch::Tensor, torch::Tensor> run_stack(
   auto xs = x.clone();                                 // [M, H]: the input, then down's output
   auto qkv = torch::empty({M, qkv_n}, opts);           // [M, (Hq + 2 Hk) D]
   auto q = torch::empty({M, q_size}, opts);            // [M, Hq D] rotated
-  auto att = torch::empty({M, q_size}, opts);          // [M, Hq D]
+  // the matmuls' inputs hold whole AMX tiles of rows (panels_amx.h reads rows past M)
+  const int64_t Mp = tritonserve_amx::padded_rows(M);
+  auto att = torch::empty({Mp, q_size}, opts);         // [Mp, Hq D]
   auto o = torch::empty({M, H}, opts);                 // [M, H]
   auto gate_up = torch::empty({kBf16 ? 0 : M, 2 * inter}, opts);  // fp32: [M, 2I]
-  auto act = torch::empty({M, inter}, opts);           // [M, I]
+  auto act = torch::empty({Mp, inter}, opts);          // [Mp, I]
   auto res = torch::zeros({threads, M, H}, opts);      // each thread's residual stream
-  auto normed = torch::empty({threads, M, H}, opts);   // each thread's normed rows
+  auto normed = torch::empty({threads, Mp, H}, opts);  // each thread's normed rows
   // the panels of matmul i, thread t: owned[i * threads + t] (owned_panels.h's spans)
   std::unique_ptr<Owned[]> owned(new Owned[4 * L * threads]);
   for (int64_t i = 0; i < 4 * L; ++i)
@@ -222,7 +225,7 @@ std::tuple<torch::Tensor, torch::Tensor> run_stack(
   {
     const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
     T* my_res = data<T>(res) + t * M * H;
-    T* my_h = data<T>(normed) + t * M * H;
+    T* my_h = data<T>(normed) + t * Mp * H;
     // residual += rows of `from`; my_h = the normed residual (every thread, all M rows)
     auto norm = [&](const T* from, const torch::Tensor& weight) {
       std::memcpy(my_h, from, M * H * sizeof(T));
@@ -237,8 +240,9 @@ std::tuple<torch::Tensor, torch::Tensor> run_stack(
         auto* yy = reinterpret_cast<uint16_t*>(y);
         const Out out{yy + p * out_cols, ldy, std::min(cols, m.N - p * cols),
                       m.bias ? m.bias + p * cols : nullptr, m.silu, false};
-        panel_product(reinterpret_cast<const uint16_t*>(in), M, m.K,
-                      static_cast<const uint16_t*>(m.w) + p * kp * 2 * cols, kp, out);
+        tritonserve_amx::panel_product(reinterpret_cast<const uint16_t*>(in), M, m.K,
+                                       static_cast<const uint16_t*>(m.w) + p * kp * 2 * cols,
+                                       kp, out);
       } else {
         const int64_t col = p * cols, ncols = std::min(cols, m.N - col);
         tritonserve_panels_fp32::panel_product(in, M, m.K,

@@ -23,6 +23,7 @@
 #include <cstring>
 
 #include "owned_panels.h"
+#include "panels_amx.h"
 #include "panels_bf16.h"
 #include "vec_math.h"
 
@@ -67,15 +68,27 @@ void run_panels(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const int64_t ldy = y.size(1), out_cols = silu ? kCols / 2 : kCols;
   // Rows in blocks of about kBlockBytes of x, each passing over all of this thread's panels
-  // while it stays in L2 (as kernels/cpu/linear.cpp does, for the same prefill reason).
-  const int64_t block = std::max<int64_t>(kRows, kBlockBytes / (K * 2) / kRows * kRows);
+  // while it stays in L2 (as kernels/cpu/linear.cpp does, for the same prefill reason); on
+  // AMX tiles, blocks of whole tile pairs, and a last partial tile staged once, padded.
+  const bool amx = tritonserve_amx::use(M, K);
+  const int64_t unit = amx ? 2 * tritonserve_amx::kTile : kRows;
+  const int64_t block = std::max<int64_t>(unit, kBlockBytes / (K * 2) / unit * unit);
+  torch::Tensor tail;
+  const uint16_t* tail_p = nullptr;
+  if (amx && M % tritonserve_amx::kTile != 0) {
+    const int64_t full = M / tritonserve_amx::kTile * tritonserve_amx::kTile;
+    tail = torch::zeros({tritonserve_amx::kTile, K}, x.options());  // [16, K]
+    tail.narrow(0, 0, M - full).copy_(x.narrow(0, full, M - full));
+    tail_p = reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>());
+  }
   const int64_t panel_elems = kp * 2 * kCols;
   const bool stream = M * ldy * static_cast<int64_t>(sizeof(uint16_t)) > kStreamBytes;
   auto product = [&](int64_t m0, int64_t rows, int64_t p) {
     const int64_t col = p * kCols;
     const Out out{yp + m0 * ldy + p * out_cols, ldy, std::min(kCols, N - col),
                   bias ? bias + col : nullptr, silu, stream};
-    panel_product(xp + m0 * K, rows, K, wp + p * panel_elems, kp, out);
+    tritonserve_amx::panel_product(xp + m0 * K, rows, K, wp + p * panel_elems, kp, out,
+                                   m0 + rows == M ? tail_p : nullptr);
   };
   const int64_t P = panels.size(0);
   if (M <= block && at::get_num_threads() > 1) {  // decode batches: one block of rows
@@ -121,9 +134,18 @@ torch::Tensor packed_linear_silu_mul_bf16(const torch::Tensor& x, const torch::T
   return y;
 }
 
+// AMX tiles on or off for every bf16 panel matmul (TRITONSERVE_AMX=0 starts them off); returns
+// whether they are in use now (false where the CPU, the OS or the build has none)
+bool set_amx(bool on) {
+  tritonserve_amx::wanted().store(on);
+  return tritonserve_amx::enabled();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tritonserve, m) {
+  m.def("set_amx(bool on) -> bool", &set_amx);
+  m.def("amx_enabled() -> bool", &tritonserve_amx::enabled);
   m.def("pack_linear_weight_bf16(Tensor weight) -> Tensor");
   m.def("packed_linear_bf16(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
   m.def("packed_linear_silu_mul_bf16(Tensor x, Tensor panels) -> Tensor");
