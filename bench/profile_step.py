@@ -2,7 +2,7 @@
 
 python -m bench profile [--model PATH] [--num-prompts 64] [--input-len 100 |
     --input-range 50:400] [--steps 30] [--profile-steps 5] [--rows 15]
-    [--temperature 1.0] [--top-p 1.0] [--greedy] [--ab-direct 12]
+    [--temperature 1.0] [--top-p 1.0] [--greedy] [--dtype auto] [--ab-direct 12]
 
 Adds the prompts, steps until every one is decoding, times --steps decode steps, then runs
 --profile-steps more under torch.profiler and prints the share of each phase of the step
@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 
-from engine.config import DECODE_MODES, EngineConfig
+from engine.config import DECODE_MODES, DTYPE_CHOICES, EngineConfig
 
 from .throughput import add_workload_args, make_prompts, prompt_lengths
 
@@ -28,7 +28,8 @@ PHASES = ("prepare", "forward", "logits", "sampler")  # record_function ranges, 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench profile")
     add_workload_args(parser)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPE_CHOICES,
+                        help="default: the server's (auto: bf16 where the CPU has it)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=15)
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     # compiled region counts its generated kernels instead
     ops = sum(e.count for e in averages if "::" in e.key) / args.profile_steps
     print(f"dispatched ops per step: {ops:.0f} (decode mode "
-          f"{llm.engine.runner.decode_mode})")
+          f"{llm.engine.runner.decode_mode}, {llm.engine.config.dtype})")
     print(f"phases of a profiled step ({profiled_ms:.1f} ms, profiler on): " + ", ".join(
         f"{name} {phases.get(name, 0.0):.1f} ms ({phases.get(name, 0.0) / profiled_ms:.1%})"
         for name in PHASES))

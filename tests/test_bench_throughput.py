@@ -36,6 +36,9 @@ def test_bench_profile_reports_prefill_decode_and_ops(tiny_model):
     tokens = int(prefill.split()[1])
     assert 4 * 5 <= tokens <= 4 * 20
     assert any(line.startswith("decode:") and "ms per step at batch 4" in line for line in lines)
+    # the server's default dtype (auto: the tiny model is float32), named with the mode
+    assert any(line.startswith("dispatched ops per step") and "(decode mode eager, float32)"
+               in line for line in lines)
     assert "Self CPU" in proc.stdout  # the per-op table, its rows named by op namespace
     assert any(ns in proc.stdout for ns in ("aten::", "mkldnn::", "tritonserve::"))
 
