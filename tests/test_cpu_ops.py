@@ -62,8 +62,9 @@ def test_cpu_decode_matches_reference(group, seq_lens, block_size, head_dim, dty
 @pytest.mark.parametrize("seq_lens", [
     [3, 47, 160, 16, 90] * 4,  # 20 sequences: whole-sequence items
     [2100, 5, 1500, 700] * 3,  # longer than one sweep (512 KB of K + V) of a whole sequence
-    [2100],  # one sequence: an item a KV head, still more than one sweep
-], ids=["short", "long", "one-long"])
+    [2100],  # one sequence: its pages in parts of 256 tokens (streaming), merged after
+    [700, 300],  # two: split by the longer, the shorter's last part empty
+], ids=["short", "long", "one-long", "two-split"])
 def test_cpu_decode_bf16_is_one_rounding_from_exact(group, block_size, head_dim, seq_lens,
                                                      cached):
     """bf16 caches: the op computes in fp32 (on the raw bf16 where the CPU has AVX512-BF16),
@@ -172,6 +173,28 @@ def test_cpu_decode_work_split_does_not_change_the_result(threads):
     finally:
         torch.set_num_threads(before)
     close(actual, expected, torch.float32)
+
+
+@needs_op
+@pytest.mark.parametrize("seq_lens", [[1000], [700, 300], [257]])
+def test_cpu_decode_split_sequences_do_not_depend_on_the_thread_count(seq_lens):
+    """bf16 at batch <= 2: the parts a sequence's pages split into follow its length alone,
+    so 1, 2 or 3 threads give the same bits."""
+    block_size, kv_heads, group, head_dim = 16, 3, 3, 64
+    pool = sum(-(-n // block_size) for n in seq_lens) + 5
+    k_cache, v_cache = make_cache(pool, block_size, kv_heads, head_dim, torch.bfloat16, "cpu", 6)
+    tables = scattered_tables(seq_lens, block_size, pool, 6)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(op(q, k_cache, v_cache, tables, lens, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @needs_op

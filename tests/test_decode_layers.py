@@ -85,6 +85,23 @@ def test_the_op_gives_the_eager_step_bit_for_bit(op_models, name):
     assert all(same for _, _, same in steps), [n for n, _, same in steps if not same]
 
 
+@needs_op
+def test_the_op_gives_the_eager_step_bit_for_bit_when_sequences_split(op_models):
+    """Two sequences past 256 tokens, then one: at batch <= 2 the bf16 attention splits each
+    sequence's pages into parts of 256 tokens merged afterwards (page_sweep.h's Items), and
+    the op runs every rope and K/V write before the parts: hidden states and caches still the
+    eager step's (which splits the same way), bit for bit."""
+    llm = LLM(op_models["llama"], dtype="bfloat16", decode_mode="eager", max_num_seqs=4)
+    steps = _compare_with_eager(llm)
+    vocab = llm.engine.arch.vocab_size
+    prompts = [[(7 * i + 3) % vocab for i in range(300)], [(5 * i + 1) % vocab for i in range(430)]]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                                  for n in (6, 60)])
+    assert [len(o.token_ids) for o in outs] == [6, 60]
+    assert {2, 1} <= {n for n, _, _ in steps}
+    assert all(same for _, _, same in steps), [n for n, _, same in steps if not same]
+
+
 @needs_fp32_op
 def test_the_fp32_op_stays_within_rounding_of_the_eager_step(tiny_models):
     """fp32 (the tiny models' head size 16, group 2: the portable attention): the op's hidden

@@ -182,8 +182,17 @@ std::tuple<torch::Tensor, torch::Tensor> run_stack(
   // attention items as paged_decode.cpp makes them (page_sweep.h), claimed in turn (a
   // counter a layer)
   using tritonserve_sweep::Item;
-  const tritonserve_sweep::Items work(table_ptr, len_ptr, M, width, kv_heads, threads);
+  tritonserve_sweep::Items work(table_ptr, len_ptr, M, width, kv_heads, threads, block_size,
+                                kBf16);
   const int64_t items = work.count;
+  // a split call (batch <= Items::kSplitBatch, long contexts; bf16): the parts' sums, merged
+  // after the items; its rope and K/V writes run before them, once a (row, KV head)
+  const bool split = work.parts > 1;
+  torch::Tensor scratch;
+  if (split) {
+    scratch = torch::empty({work.scratch_floats(num_heads, D)}, x.options().dtype(torch::kFloat32));
+    work.use_scratch(scratch.data_ptr<float>(), num_heads, D);
+  }
   std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[L]);
   for (int64_t l = 0; l < L; ++l) next[l].store(0);
   T* xs_p = data<T>(xs);
@@ -261,26 +270,35 @@ std::tuple<torch::Tensor, torch::Tensor> run_stack(
       for (int64_t other = 1; other < threads; ++other)
         while (take(own[(t + other) % threads], false, p)) product(mm[i], in, y, ldy, p);
     };
-    // an item's rope, K/V write and attention
-    auto attention = [&](int64_t l, const Item& it, const Item* following, int64_t b) {
+    // row b's rope and K/V write for KV heads [h0, h1)
+    auto rope_store = [&](int64_t l, int64_t b, int64_t h0, int64_t h1) {
       const T* row = qkv_p + b * qkv_n;
       const T* cb = cos_ptr + b * D;
       const T* sb = sin_ptr + b * D;
       T* kc = data<T>(k_caches[l]) + slot_ptr[b] * kv_size;
       T* vc = data<T>(v_caches[l]) + slot_ptr[b] * kv_size;
       T* qb = q_p + b * q_size;
-      for (int64_t hk = it.h0; hk < it.h1; ++hk) {
+      for (int64_t hk = h0; hk < h1; ++hk) {
         for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
           tritonserve_rows::rotate_row(row + h * D, cb, sb, qb + h * D, D / 2);
         tritonserve_rows::rotate_row(row + q_size + hk * D, cb, sb, kc + hk * D, D / 2);
         std::memcpy(vc + hk * D, row + q_size + kv_size + hk * D, D * sizeof(T));
       }
-      attend(l, it, following, qb, att_p + b * q_size);
+    };
+    // an item's rope, K/V write (unless a split call did them first) and attention
+    auto attention = [&](int64_t l, const Item& it, const Item* following, int64_t b) {
+      if (!split) rope_store(l, b, it.h0, it.h1);
+      attend(l, it, following, q_p + b * q_size, att_p + b * q_size);
     };
     for (int64_t l = 0; l < L; ++l) {
       norm(xs_p, norms[2 * l]);
       matmul(4 * l, my_h, qkv_p, qkv_n);
 #pragma omp barrier
+      if (split) {  // every (row, KV head)'s rope and write before any part reads them
+        for (int64_t r = t; r < M * kv_heads; r += team)
+          rope_store(l, r / kv_heads, r % kv_heads, r % kv_heads + 1);
+#pragma omp barrier
+      }
       for (int64_t item = next[l]++; item < items;) {
         const int64_t following = next[l]++;
         const Item it = work.at(item);
@@ -289,6 +307,17 @@ std::tuple<torch::Tensor, torch::Tensor> run_stack(
         item = following;
       }
 #pragma omp barrier
+      if constexpr (kBf16) {
+#ifdef TS_DECODE_LAYERS_BF16
+        if (split) {  // the parts merged, (row, query head)s shared out
+          for (int64_t r = t; r < M * num_heads; r += team)
+            tritonserve_decode_bf16::merge_parts(
+                work, r / num_heads, r % num_heads,
+                reinterpret_cast<uint16_t*>(att_p) + r * D);
+#pragma omp barrier
+        }
+#endif
+      }
       matmul(4 * l + 1, att_p, o_p, H);
 #pragma omp barrier
       norm(o_p, norms[2 * l + 1]);

@@ -135,36 +135,70 @@ class Ahead {
   int64_t n_[kPages];
 };
 
-// What one work item of a decode attention reads: a sequence's block table and length, and
-// its KV heads [h0, h1).
+// What one work item of a decode attention reads: a sequence's block table and length, its
+// KV heads [h0, h1) and its pages [p0, p1). partial: where a part of a split sequence leaves
+// its sums (Items::partial_at), or nullptr: the item writes its output itself.
 struct Item {
   const int32_t* table;
-  int64_t len, h0, h1;
+  int64_t len, h0, h1, p0, p1;
+  float* partial;
 };
 
 // A decode call's work items (paged_decode.cpp, decode_layers.cpp): one a sequence (whole
 // pages, sequential reads) when there are at least 4 sequences a thread, else one a KV head
 // (batch 1 would otherwise use one core); longest sequences first, so that threads claiming
 // the next item in turn do not leave the longest for last (a static split of the range did).
+// Where the caller can merge (split_pages: the bf16 streaming kernel), a call of at most
+// kSplitBatch sequences also splits each sequence's pages into parts of kPartTokens tokens,
+// each part an item leaving unnormalised sums (m, l, acc) for merge_parts: batch 1 over 3 KV
+// heads on 2 threads was 3 items, one thread idle a third of the attention (7.6 % of a step
+// in OpenMP waits at 1-2k tokens, nineteenth session). The split depends on the lengths only,
+// never on the thread count, so the results do not either.
 struct Items {
+  static constexpr int64_t kSplitBatch = 2;
+  static constexpr int64_t kPartTokens = 256;
   const int32_t* tables;  // [batch, width]
   const int32_t* lens;    // [batch]
-  int64_t width, kv_heads, split, count;
-  std::vector<int64_t> order;  // item / split -> sequence
+  int64_t width, kv_heads, split, block_size, part_pages, parts, count;
+  std::vector<int64_t> order;  // item / (split * parts) -> sequence
+  float* scratch = nullptr;    // [batch, parts, heads, head_dim + 2] when parts > 1
+  int64_t heads = 0, head_dim = 0;
 
   Items(const int32_t* tables_, const int32_t* lens_, int64_t batch, int64_t width_,
-        int64_t kv_heads_, int64_t threads)
+        int64_t kv_heads_, int64_t threads, int64_t block_size_, bool split_pages)
       : tables(tables_), lens(lens_), width(width_), kv_heads(kv_heads_),
-        split(batch >= 4 * threads ? 1 : kv_heads_), count(batch * split), order(batch) {
+        split(batch >= 4 * threads ? 1 : kv_heads_), block_size(block_size_),
+        part_pages(std::max<int64_t>(1, kPartTokens / block_size_)),
+        parts(1), count(0), order(batch) {
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+    if (split_pages && batch >= 1 && batch <= kSplitBatch) {
+      const int64_t pages = (int64_t(lens[order[0]]) + block_size - 1) / block_size;
+      parts = (pages + part_pages - 1) / part_pages;
+    }
+    count = batch * split * parts;
   }
-  int64_t seq(int64_t item) const { return order[item / split]; }
+  // floats the caller allocates for the parts' sums (0: no split)
+  int64_t scratch_floats(int64_t heads_, int64_t head_dim_) const {
+    return parts > 1 ? int64_t(order.size()) * parts * heads_ * (head_dim_ + 2) : 0;
+  }
+  void use_scratch(float* s, int64_t heads_, int64_t head_dim_) {
+    scratch = s, heads = heads_, head_dim = head_dim_;
+  }
+  // sums of sequence b's part i, query head h: acc [head_dim], then m, then l
+  float* partial_at(int64_t b, int64_t i, int64_t h) const {
+    return scratch + ((b * parts + i) * heads + h) * (head_dim + 2);
+  }
+  int64_t seq(int64_t item) const { return order[item / (split * parts)]; }
   Item at(int64_t item) const {
-    const int64_t b = seq(item), part = item % split;
-    return Item{tables + b * width, lens[b], part * kv_heads / split,
-                (part + 1) * kv_heads / split};
+    const int64_t b = seq(item), rest = item % (split * parts);
+    const int64_t kv = rest / parts, i = rest % parts;
+    const int64_t pages = (int64_t(lens[b]) + block_size - 1) / block_size;
+    const int64_t p0 = parts > 1 ? std::min(pages, i * part_pages) : 0;
+    const int64_t p1 = parts > 1 ? std::min(pages, (i + 1) * part_pages) : pages;
+    return Item{tables + b * width, lens[b], kv * kv_heads / split, (kv + 1) * kv_heads / split,
+                p0, p1, parts > 1 ? partial_at(b, i, 0) : nullptr};
   }
 };
 
@@ -181,15 +215,13 @@ inline void ask_next(Ahead<T>& ahead, const T* k_cache, const T* v_cache, const 
                      const Item* following, int64_t p1, int64_t block_size, int64_t kv_heads,
                      int64_t head_dim) {
   const int64_t row = kv_heads * head_dim;
-  const int64_t pages = (it.len + block_size - 1) / block_size;
-  const Item* next = p1 < pages ? &it : following;
+  const Item* next = p1 < it.p1 ? &it : following;
   if (next == nullptr) {
     ahead.stop();
     return;
   }
-  const int64_t from = next == &it ? p1 : 0;
-  const int64_t next_pages = (next->len + block_size - 1) / block_size;
-  const int64_t to = std::min(next_pages, from + item_chunk<T>(*next, block_size, head_dim));
+  const int64_t from = next == &it ? p1 : next->p0;
+  const int64_t to = std::min(next->p1, from + item_chunk<T>(*next, block_size, head_dim));
   ahead.start(k_cache, v_cache, next->table, next->len, from, to, block_size, row,
               next->h0 * head_dim, (next->h1 - next->h0) * head_dim);
 }

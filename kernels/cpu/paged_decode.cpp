@@ -60,8 +60,19 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   auto out = torch::empty({batch, heads, head_dim}, q.options());
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
-  const tritonserve_sweep::Items work(table_ptr, len_ptr, batch, tables.size(1), kv_heads,
-                                      at::get_num_threads());
+  // the bf16 streaming kernel takes split sequences (page_sweep.h's Items), the others not
+  bool splits = false;
+#ifdef TRITONSERVE_DECODE_BF16
+  splits = q.scalar_type() == at::kBFloat16 && !cached &&
+           tritonserve_decode_bf16::pick(head_dim, group, block_size, false) != nullptr;
+#endif
+  tritonserve_sweep::Items work(table_ptr, len_ptr, batch, tables.size(1), kv_heads,
+                                at::get_num_threads(), block_size, splits);
+  torch::Tensor scratch;  // the parts' sums of a split call
+  if (const int64_t floats = work.scratch_floats(heads, head_dim)) {
+    scratch = torch::empty({floats}, q.options().dtype(torch::kFloat32));
+    work.use_scratch(scratch.data_ptr<float>(), heads, head_dim);
+  }
   // work(item, following): each thread claims its next item before it runs this one (the
   // bf16 path asks for the following item's first page during this one's last); following
   // is -1 when there is none
@@ -93,6 +104,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
             block_size, kv_heads, static_cast<float>(scale), out_ptr + b * heads * head_dim,
             q_head_stride, head_dim);
       });
+      if (work.parts > 1)
+        at::parallel_for(0, batch * heads, 1, [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r)
+            tritonserve_decode_bf16::merge_parts(work, r / heads, r % heads,
+                                                 out_ptr + r * head_dim);
+        });
       return out;
     }
   }

@@ -199,16 +199,15 @@ void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
   Unit<G> units[2];  // this unit and (cached) the one whose value pass is pending
   Unit<G>* pending = nullptr;
   auto values = [&](const Unit<G>& u) { value_pass<Cached, C, G>(u, states[u.hk], row); };
-  const int64_t pages = (it.len + block_size - 1) / block_size;
   const int64_t chunk = tritonserve_sweep::item_chunk<uint16_t>(it, block_size, HD);
   // streaming: the next sweep's lines, asked for a share after each unit of this one
   tritonserve_sweep::Ahead<uint16_t> ahead;
   int64_t per_unit = 0;
-  for (int64_t p = 0; p < pages; ++p) {
+  for (int64_t p = it.p0; p < it.p1; ++p) {
     const int64_t start = p * block_size, n = std::min(block_size, it.len - start);
     const int64_t page = table[p];
-    if (!Cached && p % chunk == 0) {
-      const int64_t p1 = std::min(pages, p + chunk);
+    if (!Cached && (p - it.p0) % chunk == 0) {
+      const int64_t p1 = std::min(it.p1, p + chunk);
       tritonserve_sweep::sweep(k_cache, v_cache, table, it.len, p, p1, block_size, row, h0 * HD,
                                nkv * HD);
       tritonserve_sweep::ask_next(ahead, k_cache, v_cache, it, following, p1, block_size,
@@ -219,10 +218,11 @@ void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
     }
     // cached: the page to ask for, this item's next or on its last the following item's first
     int64_t next = -1, next_n = 0, next_h0 = h0, next_nkv = nkv;
-    if (Cached && p + 1 < pages) {
+    if (Cached && p + 1 < it.p1) {
       next = table[p + 1], next_n = std::min(block_size, it.len - start - block_size);
-    } else if (Cached && following != nullptr) {
-      next = following->table[0], next_n = std::min(block_size, following->len);
+    } else if (Cached && following != nullptr && following->p0 < following->p1) {
+      next = following->table[following->p0];
+      next_n = std::min(block_size, following->len - following->p0 * block_size);
       next_h0 = following->h0, next_nkv = following->h1 - following->h0;
     }
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
@@ -271,6 +271,21 @@ void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
     }
   }
   if (pending != nullptr) values(*pending);
+  if (it.partial != nullptr) {  // a part of a split sequence: its sums, for merge_parts
+    for (int64_t hk = 0; hk < nkv; ++hk)
+      for (int j = 0; j < G; ++j) {
+        const HeadState<C, G>& st = states[hk];
+        float* part = it.partial + ((h0 + hk) * G + j) * (HD + 2);
+        for (int c = 0; c < C; ++c)
+          for (int i = 0; i < 16; ++i) {
+            part[32 * c + 2 * i] = st.acc[j][32 * c + i];
+            part[32 * c + 2 * i + 1] = st.acc[j][32 * c + 16 + i];
+          }
+        part[HD] = st.m[j];
+        part[HD + 1] = _mm512_reduce_add_ps(_mm512_load_ps(st.l[j]));
+      }
+    return;
+  }
   for (int64_t hk = 0; hk < nkv; ++hk)
     for (int j = 0; j < G; ++j) {
       const HeadState<C, G>& st = states[hk];
@@ -282,6 +297,28 @@ void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
           oh[32 * c + 2 * i + 1] = tritonserve_vec::float_to_bf16(st.acc[j][32 * c + 16 + i] * inv);
         }
     }
+}
+
+// Query head h of sequence b from the parts of a split call (Items::parts > 1): the parts'
+// sums rescaled to their largest reference max, out[d] = sum_i w_i acc_i[d] / sum_i w_i l_i
+// with w_i = exp(m_i - max_i m_i), rounded to bf16 once. A part with no pages (m = -inf,
+// l = 0) weighs nothing.
+inline void merge_parts(const tritonserve_sweep::Items& work, int64_t b, int64_t h,
+                        uint16_t* out) {
+  const int64_t D = work.head_dim;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < work.parts; ++i) top = std::max(top, work.partial_at(b, i, h)[D]);
+  float l = 0.0f;
+  alignas(64) float acc[128] = {};
+  for (int64_t i = 0; i < work.parts; ++i) {
+    const float* part = work.partial_at(b, i, h);
+    if (part[D] == -std::numeric_limits<float>::infinity()) continue;
+    const float w = exp_clamped(part[D] - top);
+    l += w * part[D + 1];
+    for (int64_t d = 0; d < D; ++d) acc[d] += w * part[d];
+  }
+  const float inv = 1.0f / l;
+  for (int64_t d = 0; d < D; ++d) out[d] = tritonserve_vec::float_to_bf16(acc[d] * inv);
 }
 
 // the instance for a head size and group, or nullptr when none is built (the caller's
