@@ -1,6 +1,7 @@
 // The bf16 panel matmul on Intel AMX tiles, over the same panels as panels_bf16.h (no second
 // copy of the weights): where the CPU has AMX-BF16 and the kernel has the OS's permission,
-// panel_product (panels_bf16.h) sends batches of kMinRows rows and more here.
+// this header's panel_product (what linear_bf16.cpp and decode_layers.cpp call) sends
+// batches of kMinRows rows and more here, the rest to panels_bf16.h's.
 //
 // The layout fits as it is: a panel's k pair j holds 32 columns x 2 k (128 bytes), so an AMX
 // B tile (16 k pairs x 16 columns x 2) is 16 rows of 64 bytes, 128 bytes apart: columns 0-15
@@ -11,9 +12,9 @@
 // The order of the fp32 additions is the tile's, not vdpbf16ps's: results differ from the
 // AVX512-BF16 tile in the last bits of the fp32 sum, as two BLAS do.
 //
-// Why: on a 2-core Xeon with AMX (KVM guest), SmolLM2's 120 layer matmuls at M = 64 took
-// 77 ms on the AVX512-BF16 tiles (223 GFLOP/s) against 19.9 ms in oneDNN (its AMX kernels);
-// docs/benchmarks.md (twentieth session) has this kernel's figures.
+// Why: on a 2-core Xeon with AMX (KVM guest), SmolLM2's 121 matmuls at M = 64 took 77.8 ms
+// on the AVX512-BF16 tiles (221 GFLOP/s), 19.0 ms in oneDNN (its AMX kernels) and 17.0 ms
+// here; docs/benchmarks.md (twentieth session) has the other sizes.
 #pragma once
 
 #include <atomic>
@@ -65,7 +66,7 @@ inline bool available() {
 inline bool available() { return false; }
 #endif
 
-// TRITONSERVE_AMX=0 turns the tiles off (what the benchmarks compare against); set_wanted
+// TRITONSERVE_AMX=0 turns the tiles off (what the benchmarks compare against); storing false
 // does the same at run time (tritonserve::set_amx).
 inline std::atomic<bool>& wanted() {
   static std::atomic<bool> on{[] {
