@@ -227,13 +227,20 @@ def test_bf16_panels_round_the_exact_product_once(rows, n, k):
     sit ~1e-6 off the exact value, so only near-ties round the other way, and near-zero
     results off by the sum's rounding). With a bias (a
     Qwen2 qkv bias is bf16) the same against product + bias."""
+    x, weight, panels = _bf16_product_once(rows, n, k)
+    assert panels.shape == (-(-n // 32), -(-k // 2), 32, 2)
+
+
+def _bf16_product_once(rows: int, n: int, k: int):
+    """Random x [rows, k], weight [n, k] and a bias, packed; asserts packed_linear_bf16 gives
+    the float64 product (+ bias) rounded to bf16 within one bf16 step and the fp32 sum's error,
+    with and without the bias; returns (x, weight, panels)."""
     pack, product = cpu_ops.packed_linear_bf16()
     generator = torch.Generator().manual_seed(rows * 1000 + k)
     x = torch.randn(rows, k, generator=generator).bfloat16()
     weight = (torch.randn(n, k, generator=generator) / k ** 0.5).bfloat16()
     bias = torch.randn(n, generator=generator).bfloat16()
     panels = pack(weight)
-    assert panels.shape == (-(-n // 32), -(-k // 2), 32, 2)
     for b in (None, bias):
         out = product(x, panels, n, b)
         assert out.shape == (rows, n) and out.dtype == torch.bfloat16
@@ -244,6 +251,7 @@ def test_bf16_panels_round_the_exact_product_once(rows, n, k):
         slack = 2 ** -22 * (x.double().abs() @ weight.double().abs().t())
         assert ((out.double() - exact).abs() <= step + slack).all()
         assert (out.double() - exact.bfloat16().double()).abs().gt(0).float().mean() < 0.01
+    return x, weight, panels
 
 
 @pytest.fixture(params=[False, True], ids=["avx512", "amx"])
@@ -273,18 +281,8 @@ def test_bf16_panels_on_amx_tiles_round_the_exact_product_once(amx_tiles, rows, 
     epilogue matches the unfused path through the same tiles."""
     assert cpu_ops.amx_enabled() == amx_tiles
     pack, product = cpu_ops.packed_linear_bf16()
-    generator = torch.Generator().manual_seed(rows * 1000 + k)
-    x = torch.randn(rows, k, generator=generator).bfloat16()
-    weight = (torch.randn(n, k, generator=generator) / k ** 0.5).bfloat16()
-    bias = torch.randn(n, generator=generator).bfloat16()
-    panels = pack(weight)
-    for b in (None, bias):
-        out = product(x, panels, n, b)
-        exact = x.double() @ weight.double().t() + (0 if b is None else b.double())
-        step = exact.abs().clamp_min(1e-30).log2().floor().exp2() / 128
-        slack = 2 ** -22 * (x.double().abs() @ weight.double().abs().t())
-        assert ((out.double() - exact).abs() <= step + slack).all()
-        assert (out.double() - exact.bfloat16().double()).abs().gt(0).float().mean() < 0.01
+    x, weight, panels = _bf16_product_once(rows, n, k)
+    generator = torch.Generator().manual_seed(rows + n)
     # a row's result does not depend on the rows around it (the tail's padding included)
     assert torch.equal(product(x[:rows - 1], panels, n, None), product(x, panels, n, None)[:-1])
     inter = 16 * (n // 16 + 1)
