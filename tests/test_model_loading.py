@@ -129,7 +129,7 @@ def test_bench_kernels_runs_on_cpu():
 def test_linear_matches_float64(dtype, tolerance, packed, rows):
     """linear (C++ panels for fp32 and bf16, oneDNN on the CPU for fp32/bf16, plain or
     prepacked weights; F.linear otherwise) against float64 (the bf16 panels' own tiles and
-    odd K: tests/test_cpu_ops.py). N = 165 leaves a partial last panel, K = 301
+    odd K: tests/test_cpu_panels_bf16.py). N = 165 leaves a partial last panel, K = 301
     a k-chunk of 256 plus a remainder; 7 and 37 rows cover full and partial 6-row tiles (2, 7
     and 16 with the first tile prefetching the next chunk, past the last panel's end too), 300
     two of the panels' row blocks (216 + 84 rows of 301 floats: 256 KB blocks)."""
