@@ -7,9 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu_ops, reference
-
-needs_op = pytest.mark.skipif(cpu_ops.paged_decode_attention() is None,
-                              reason="no C++ toolchain: the torch path serves")
+from tests.test_cpu_ops import needs_op
 
 
 @needs_op
