@@ -132,42 +132,76 @@ inline void store_row_dp(__m512 lo, __m512 hi, uint16_t* y, int64_t ncols, const
 // (R <= 12 of the 32 zmm registers) and two panel loads per pair, the x pair folded into
 // vdpbf16ps as a broadcast; each pair also asks for the tile's share of the weight stream
 // ahead (`ahead`).
+// Row m's pair is addressed from two pointers, p (row 0's) and q = p + 3 s, with the row
+// stride s, 3 s and 5 s (bytes) as index registers: 13 rows in 5 general registers. Why: with
+// one pointer a row (what GCC made of x + m * ldx) the 11-row tile ran out of registers and
+// reloaded row pointers from xmm registers and the stack every pair (twenty-second session's
+// disassembly). The addressing has to be written in asm, GCC picks the pointers otherwise.
+// Single core, warm, M = 64, SmolLM2's shapes, best of 30 passes, GFLOP/s (the chip's
+// vdpbf16ps peak measured 232): qkv 960 x 576 212 -> 226-233, gate/up 3072 x 576 186-201 ->
+// 211-220, down 576 x 1536 207-214 -> 229-233, results bit-identical; the engine's batch-64
+// decode step 6-10 % faster, in 15 of 16 alternated blocks (docs/benchmarks.md, twenty-third
+// session).
+#define TS_DP_ROW(m, ADDR)                                                               \
+  if constexpr (R > m)                                                                   \
+  asm("vdpbf16ps " ADDR "%{1to16%}, %[w0], %[lo]\n\t"                                     \
+      "vdpbf16ps " ADDR "%{1to16%}, %[w1], %[hi]"                                         \
+      : [lo] "+v"(lo##m), [hi] "+v"(hi##m)                                                \
+      : [w0] "v"(w0), [w1] "v"(w1), [p] "r"(p), [q] "r"(q), [s] "r"(s), [s3] "r"(s3),     \
+        [s5] "r"(s5), "m"(*(const char(*)[4])p))
+// lo[m] += x_m . w0, hi[m] += x_m . w1 for the tile's rows (x_m: row m's pair, broadcast)
+#define TS_DP_ROWS                                                                         \
+  TS_DP_ROW(0, "(%[p])");         TS_DP_ROW(1, "(%[p],%[s],1)");   TS_DP_ROW(2, "(%[p],%[s],2)");  \
+  TS_DP_ROW(3, "(%[q])");         TS_DP_ROW(4, "(%[p],%[s],4)");   TS_DP_ROW(5, "(%[p],%[s5],1)"); \
+  TS_DP_ROW(6, "(%[p],%[s3],2)"); TS_DP_ROW(7, "(%[q],%[s],4)");   TS_DP_ROW(8, "(%[p],%[s],8)");  \
+  TS_DP_ROW(9, "(%[q],%[s3],2)"); TS_DP_ROW(10, "(%[p],%[s5],2)"); TS_DP_ROW(11, "(%[q],%[s],8)"); \
+  TS_DP_ROW(12, "(%[p],%[s3],4)")
+#define TS_STORE_ROW(m)                                                                  \
+  if constexpr (R > m)                                                                   \
+  store_row_dp(lo##m, hi##m, out.y + m * out.ldy, out.ncols, out.bias, out.silu, out.stream)
+
 template <int R>
 inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* panel, int64_t kp,
                  const Out& out, const Ahead& ahead) {
-  __m512 lo[R], hi[R];
-  for (int m = 0; m < R; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+  static_assert(R >= 1 && R <= 13, "TS_DP_ROWS addresses 13 rows");
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 lo0 = zero, lo1 = zero, lo2 = zero, lo3 = zero, lo4 = zero, lo5 = zero, lo6 = zero,
+         lo7 = zero, lo8 = zero, lo9 = zero, lo10 = zero, lo11 = zero, lo12 = zero;
+  __m512 hi0 = zero, hi1 = zero, hi2 = zero, hi3 = zero, hi4 = zero, hi5 = zero, hi6 = zero,
+         hi7 = zero, hi8 = zero, hi9 = zero, hi10 = zero, hi11 = zero, hi12 = zero;
   // whole pairs read as words; an odd K's last pair through pair_at after the loop (a
   // run-time branch inside it is what kernels/cpu/linear.cpp measured to cost)
   const int64_t full = K / 2;
+  int64_t s = ldx * 2, s3 = 3 * s, s5 = 5 * s;
+  const char* p = reinterpret_cast<const char*>(x);
   uint64_t line = ahead.first;  // 16.16 fixed point
-  for (int64_t j = 0; j < full; ++j) {
+  asm volatile("" ::: "memory");  // every row of x stored before the asm reads it
+  for (int64_t j = 0; j < full; ++j, p += 4) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kCols);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + j * 2 * kCols + kCols);
     __builtin_prefetch(ahead.base + (line >> 16) * 64, 0, 3);
     __builtin_prefetch(ahead.base + ((line + ahead.rate / 2) >> 16) * 64, 0, 3);
     line += ahead.rate;
-    for (int m = 0; m < R; ++m) {
-      uint32_t word;
-      std::memcpy(&word, x + m * ldx + 2 * j, sizeof word);
-      const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
-      lo[m] = _mm512_dpbf16_ps(lo[m], xs, w0);
-      hi[m] = _mm512_dpbf16_ps(hi[m], xs, w1);
-    }
+    const char* q = p + s3;
+    TS_DP_ROWS;
   }
-  if (kp > full) {
+  if (kp > full) {  // the rows' last words (x, 0), 4 bytes apart
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + full * 2 * kCols);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + full * 2 * kCols + kCols);
-    for (int m = 0; m < R; ++m) {
-      const __m512bh xs = (__m512bh)_mm512_set1_epi32(
-          static_cast<int>(pair_at(x + m * ldx, full, K)));
-      lo[m] = _mm512_dpbf16_ps(lo[m], xs, w0);
-      hi[m] = _mm512_dpbf16_ps(hi[m], xs, w1);
-    }
+    uint32_t words[R];
+    for (int m = 0; m < R; ++m) words[m] = pair_at(x + m * ldx, full, K);
+    asm volatile("" ::: "memory");
+    p = reinterpret_cast<const char*>(words), s = 4, s3 = 12, s5 = 20;
+    const char* q = p + s3;
+    TS_DP_ROWS;
   }
-  for (int m = 0; m < R; ++m)
-    store_row_dp(lo[m], hi[m], out.y + m * out.ldy, out.ncols, out.bias, out.silu, out.stream);
+  TS_STORE_ROW(0); TS_STORE_ROW(1); TS_STORE_ROW(2); TS_STORE_ROW(3); TS_STORE_ROW(4);
+  TS_STORE_ROW(5); TS_STORE_ROW(6); TS_STORE_ROW(7); TS_STORE_ROW(8); TS_STORE_ROW(9);
+  TS_STORE_ROW(10); TS_STORE_ROW(11); TS_STORE_ROW(12);
 }
+#undef TS_DP_ROW
+#undef TS_DP_ROWS
+#undef TS_STORE_ROW
 constexpr int kRows = 12;
 
 // One row (a single decode sequence): memory-bound, so four independent accumulator chains
