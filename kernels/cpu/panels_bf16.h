@@ -142,6 +142,17 @@ inline void store_row_dp(__m512 lo, __m512 hi, uint16_t* y, int64_t ncols, const
 // 211-220, down 576 x 1536 207-214 -> 229-233, results bit-identical; the engine's batch-64
 // decode step 6-10 % faster, in 15 of 16 alternated blocks (docs/benchmarks.md, twenty-third
 // session).
+// (Other compilers: the same row addresses through intrinsics.)
+#if defined(__clang__) || !defined(__GNUC__)
+#define TS_DP_ROW(m, ADDR)                                                                \
+  if constexpr (R > m) {                                                                  \
+    uint32_t word;                                                                        \
+    std::memcpy(&word, p + m * s, sizeof word);                                           \
+    const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));              \
+    lo##m = _mm512_dpbf16_ps(lo##m, xs, w0);                                              \
+    hi##m = _mm512_dpbf16_ps(hi##m, xs, w1);                                              \
+  }
+#else
 #define TS_DP_ROW(m, ADDR)                                                               \
   if constexpr (R > m)                                                                   \
   asm("vdpbf16ps " ADDR "%{1to16%}, %[w0], %[lo]\n\t"                                     \
@@ -149,6 +160,7 @@ inline void store_row_dp(__m512 lo, __m512 hi, uint16_t* y, int64_t ncols, const
       : [lo] "+v"(lo##m), [hi] "+v"(hi##m)                                                \
       : [w0] "v"(w0), [w1] "v"(w1), [p] "r"(p), [q] "r"(q), [s] "r"(s), [s3] "r"(s3),     \
         [s5] "r"(s5), "m"(*(const char(*)[4])p))
+#endif
 // lo[m] += x_m . w0, hi[m] += x_m . w1 for the tile's rows (x_m: row m's pair, broadcast)
 #define TS_DP_ROWS                                                                         \
   TS_DP_ROW(0, "(%[p])");         TS_DP_ROW(1, "(%[p],%[s],1)");   TS_DP_ROW(2, "(%[p],%[s],2)");  \
@@ -172,7 +184,7 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* pane
   // whole pairs read as words; an odd K's last pair through pair_at after the loop (a
   // run-time branch inside it is what kernels/cpu/linear.cpp measured to cost)
   const int64_t full = K / 2;
-  int64_t s = ldx * 2, s3 = 3 * s, s5 = 5 * s;
+  [[maybe_unused]] int64_t s = ldx * 2, s3 = 3 * s, s5 = 5 * s;
   const char* p = reinterpret_cast<const char*>(x);
   uint64_t line = ahead.first;  // 16.16 fixed point
   asm volatile("" ::: "memory");  // every row of x stored before the asm reads it
@@ -182,7 +194,7 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* pane
     __builtin_prefetch(ahead.base + (line >> 16) * 64, 0, 3);
     __builtin_prefetch(ahead.base + ((line + ahead.rate / 2) >> 16) * 64, 0, 3);
     line += ahead.rate;
-    const char* q = p + s3;
+    [[maybe_unused]] const char* q = p + s3;
     TS_DP_ROWS;
   }
   if (kp > full) {  // the rows' last words (x, 0), 4 bytes apart
@@ -192,7 +204,7 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* pane
     for (int m = 0; m < R; ++m) words[m] = pair_at(x + m * ldx, full, K);
     asm volatile("" ::: "memory");
     p = reinterpret_cast<const char*>(words), s = 4, s3 = 12, s5 = 20;
-    const char* q = p + s3;
+    [[maybe_unused]] const char* q = p + s3;
     TS_DP_ROWS;
   }
   TS_STORE_ROW(0); TS_STORE_ROW(1); TS_STORE_ROW(2); TS_STORE_ROW(3); TS_STORE_ROW(4);
