@@ -6,7 +6,8 @@ python -m bench profile [--model PATH] [--num-prompts 64] [--input-len 100 |
 
 Adds the prompts, steps until every one is decoding, times --steps decode steps, then runs
 --profile-steps more under torch.profiler and prints the share of each phase of the step
-(prepare, forward, logits, sampler) and the per-op table (self CPU time). Every
+(prepare, forward, logits, sampler) and the per-op table (self CPU time); with the CPU's
+layers decode, --profile-steps more with decode_layers' own phases timed per thread. Every
 decode-step figure in docs/benchmarks.md was found this way. --ab-direct N (compiled decode)
 then times blocks of N steps with the compiled graph called directly and through Dynamo, in
 the order ABBA ABBA ... (the contexts grow during the run; this order cancels a linear trend),
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{name} {phases.get(name, 0.0):.1f} ms ({phases.get(name, 0.0) / profiled_ms:.1%})"
         for name in PHASES))
     print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if engine.runner.decode_layers is not None:
+        print_layer_phases(engine, args.profile_steps)
     if args.ab_direct:
         graphs = engine.runner.graphs
         if graphs is None or graphs.mode != "compile":
@@ -105,6 +108,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 AB_ROUNDS = 4
+
+
+def print_layer_phases(engine, steps: int) -> None:
+    """decode_layers' own phases over `steps` more steps (kernels/cpu/phase_clock.h): per
+    thread, ms a step of work and of waiting at the phase's barrier."""
+    from kernels import cpu_ops
+    if not cpu_ops.decode_layers_timing(True):
+        return
+    try:
+        for _ in range(steps):
+            engine.step()
+        totals, calls = cpu_ops.decode_layers_phases()
+    finally:
+        cpu_ops.decode_layers_timing(False)
+    if calls == 0:
+        return
+    per_step = totals * 1e3 / calls  # [threads, phases, 2] ms
+    print(f"decode_layers phases over {calls} calls, ms a step (busy / wait at its barrier):")
+    for t, row in enumerate(per_step.tolist()):
+        print(f"  thread {t}: " + ", ".join(
+            f"{name} {busy:.2f} / {wait:.2f}"
+            for name, (busy, wait) in zip(cpu_ops.DECODE_PHASES, row))
+            + f"; total {sum(b + w for b, w in row):.1f}")
 
 
 def ab_direct(engine, graphs, steps: int) -> dict[str, list[float]]:

@@ -31,7 +31,7 @@ SOURCES = [Path(__file__).parent / "cpu" / name
 HEADERS = [Path(__file__).parent / "cpu" / name  # staged beside them, not compiled
            for name in ("vec_math.h", "page_sweep.h", "paged_decode_bf16.h", "owned_panels.h",
                      "panels_bf16.h", "panels_amx.h", "panels_fp32.h", "rows.h",
-                     "paged_decode_portable.h")]
+                     "paged_decode_portable.h", "phase_clock.h")]
 # -O3 with -march=native lets the compiler vectorise the head_dim loops for this CPU (AVX2 /
 # AVX-512); the cache directory is per machine, so the native build is never shared.
 # -fopenmp: at::parallel_for is inline OpenMP, serial without it (2x slower on 2 cores); the
@@ -242,6 +242,27 @@ def decode_layers(dtype: torch.dtype, head_dim: int, group: int, block_size: int
             dtype, head_dim, group, block_size):
         return None
     return torch.ops.tritonserve.decode_layers
+
+
+DECODE_PHASES = ("norm", "qkv", "attention", "o", "gate/up", "down")  # phase_clock.h's order
+
+
+def decode_layers_timing(on: bool) -> bool:
+    """Turn decode_layers' per-thread phase timing on (its totals reset) or off
+    (kernels/cpu/phase_clock.h); False when the library is unavailable."""
+    if not load():
+        return False
+    torch.ops.tritonserve.decode_layers_timing(on)
+    return True
+
+
+def decode_layers_phases() -> tuple[torch.Tensor, int] | None:
+    """decode_layers' phase totals since timing was turned on: seconds [threads,
+    len(DECODE_PHASES), 2] (each thread's busy and barrier-wait time a phase) and the calls
+    they cover; None when the library is unavailable."""
+    if not load():
+        return None
+    return torch.ops.tritonserve.decode_layers_phases()
 
 
 def sample_softmax():

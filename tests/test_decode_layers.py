@@ -258,3 +258,33 @@ def test_the_op_does_not_depend_on_the_thread_count(op_models, dtype):
         assert torch.equal(x, x0) and torch.equal(r, r0)
         assert all(torch.equal(a, b) for pair, pair0 in zip(caches, caches0)
                    for a, b in zip(pair, pair0))
+
+
+@needs_op
+def test_the_phase_timing_covers_each_call_and_stays_off_unless_asked(op_models,
+                                                                      shipped_defaults):
+    """decode_layers_timing(True): every later call adds each thread's time to the six phases
+    (norm, qkv, attention, o, gate/up, down), as work and as barrier waits, never more than
+    the calls' wall time; off, the totals stop moving (kernels/cpu/phase_clock.h)."""
+    import time
+    llm = LLM(op_models["llama"], dtype="bfloat16", max_num_seqs=4)
+    assert llm.engine.runner.decode_layers is not None
+    prompts = mixed_prompts(llm.tokenizer, count=3, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.generate(prompts, params)  # prefill, warm-up
+    assert cpu_ops.decode_layers_timing(True)
+    try:
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        wall = time.perf_counter() - start
+        totals, calls = cpu_ops.decode_layers_phases()
+    finally:
+        cpu_ops.decode_layers_timing(False)
+    threads = torch.get_num_threads()
+    assert calls >= 5  # at least the 5 decode steps after each prefill
+    assert totals.shape == (threads, len(cpu_ops.DECODE_PHASES), 2)
+    assert (totals[0, :, 0] > 0).all()  # thread 0 worked in every phase
+    assert (totals >= 0).all() and (totals.sum(dim=(1, 2)) <= wall).all()
+    llm.generate(prompts, params)
+    after, calls_after = cpu_ops.decode_layers_phases()
+    assert calls_after == calls and torch.equal(after, totals)

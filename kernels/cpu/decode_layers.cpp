@@ -35,6 +35,7 @@
 #include "owned_panels.h"
 #include "paged_decode_bf16.h"
 #include "paged_decode_portable.h"
+#include "phase_clock.h"
 #include "panels_amx.h"
 #include "panels_bf16.h"
 #include "panels_fp32.h"
@@ -43,6 +44,7 @@
 namespace {
 
 using tritonserve_panels::Owned;
+using tritonserve_phases::Phase;
 using tritonserve_panels::take;
 using bf16 = c10::BFloat16;
 
@@ -230,9 +232,11 @@ std::tuple<torch::Tensor, torch::Tensor> run_stack(
     (void)following;
   };
 
+  const bool timing = tritonserve_phases::totals().on.load(std::memory_order_relaxed);
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+    tritonserve_phases::Clock clock(t, timing);
     T* my_res = data<T>(res) + t * M * H;
     T* my_h = data<T>(normed) + t * Mp * H;
     // residual += rows of `from`; my_h = the normed residual (every thread, all M rows)
@@ -292,12 +296,17 @@ std::tuple<torch::Tensor, torch::Tensor> run_stack(
     };
     for (int64_t l = 0; l < L; ++l) {
       norm(xs_p, norms[2 * l]);
+      clock.busy(Phase::kNorm);
       matmul(4 * l, my_h, qkv_p, qkv_n);
+      clock.busy(Phase::kQkv);
 #pragma omp barrier
+      clock.wait(Phase::kQkv);
       if (split) {  // every (row, KV head)'s rope and write before any part reads them
         for (int64_t r = t; r < M * kv_heads; r += team)
           rope_store(l, r / kv_heads, r % kv_heads, r % kv_heads + 1);
+        clock.busy(Phase::kAttention);
 #pragma omp barrier
+        clock.wait(Phase::kAttention);
       }
       for (int64_t item = next[l]++; item < items;) {
         const int64_t following = next[l]++;
@@ -306,7 +315,9 @@ std::tuple<torch::Tensor, torch::Tensor> run_stack(
         attention(l, it, following < items ? &after : nullptr, work.seq(item));
         item = following;
       }
+      clock.busy(Phase::kAttention);
 #pragma omp barrier
+      clock.wait(Phase::kAttention);
       if constexpr (kBf16) {
 #ifdef TS_DECODE_LAYERS_BF16
         if (split) {  // the parts merged, (row, query head)s shared out
@@ -314,30 +325,64 @@ std::tuple<torch::Tensor, torch::Tensor> run_stack(
             tritonserve_decode_bf16::merge_parts(
                 work, r / num_heads, r % num_heads,
                 reinterpret_cast<uint16_t*>(att_p) + r * D);
+          clock.busy(Phase::kAttention);
 #pragma omp barrier
+          clock.wait(Phase::kAttention);
         }
 #endif
       }
       matmul(4 * l + 1, att_p, o_p, H);
+      clock.busy(Phase::kO);
 #pragma omp barrier
+      clock.wait(Phase::kO);
       norm(o_p, norms[2 * l + 1]);
+      clock.busy(Phase::kNorm);
       if constexpr (kBf16) {
         matmul(4 * l + 2, my_h, act_p, inter);
       } else {  // gate/up, then silu(gate) * up over this thread's share of the columns
         matmul(4 * l + 2, my_h, gu_p, 2 * inter);
+        clock.busy(Phase::kGateUp);
 #pragma omp barrier
+        clock.wait(Phase::kGateUp);
         const int64_t c0 = t * inter / team, c1 = (t + 1) * inter / team;
         for (int64_t r = 0; r < M; ++r)
           tritonserve_rows::silu_and_mul_row(gu_p + r * 2 * inter + c0,
                                              gu_p + r * 2 * inter + inter + c0,
                                              act_p + r * inter + c0, c1 - c0);
       }
+      clock.busy(Phase::kGateUp);
 #pragma omp barrier
+      clock.wait(Phase::kGateUp);
       matmul(4 * l + 3, act_p, xs_p, H);
+      clock.busy(Phase::kDown);
 #pragma omp barrier
+      clock.wait(Phase::kDown);
     }
   }
+  if (timing) ++tritonserve_phases::totals().calls;
   return {xs, res[0].clone()};
+}
+
+// Timing on (the totals reset) or off: phase_clock.h
+void decode_layers_timing(bool on) {
+  auto& totals = tritonserve_phases::totals();
+  if (on) totals.reset();
+  totals.on.store(on);
+}
+
+// The totals since timing was turned on: seconds [threads, phases, 2] (busy, wait) of
+// torch's thread count, phases as phase_clock.h orders them, and the calls they cover
+std::tuple<torch::Tensor, int64_t> decode_layers_phases() {
+  using namespace tritonserve_phases;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), kThreads);
+  auto out = torch::zeros({threads, kPhases, 2}, torch::kFloat64);
+  auto* o = out.data_ptr<double>();
+  for (int64_t t = 0; t < threads; ++t)
+    for (int64_t p = 0; p < kPhases; ++p) {
+      o[(t * kPhases + p) * 2] = totals().busy[t][p];
+      o[(t * kPhases + p) * 2 + 1] = totals().wait[t][p];
+    }
+  return {out, totals().calls};
 }
 
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(
@@ -371,6 +416,8 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
 TORCH_LIBRARY_FRAGMENT(tritonserve, m) {
   m.def("decode_layers_supported(ScalarType dtype, int head_dim, int group, int block_size) "
         "-> bool", &decode_layers_supported);
+  m.def("decode_layers_timing(bool on) -> ()", &decode_layers_timing);
+  m.def("decode_layers_phases() -> (Tensor, int)", &decode_layers_phases);
   m.def("decode_layers(Tensor x, Tensor[] norms, Tensor[] panels, Tensor[] biases, "
         "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor block_tables, Tensor seq_lens, int num_heads, "
