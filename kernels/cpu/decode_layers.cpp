@@ -379,8 +379,8 @@ std::tuple<torch::Tensor, int64_t> decode_layers_phases() {
   auto* o = out.data_ptr<double>();
   for (int64_t t = 0; t < threads; ++t)
     for (int64_t p = 0; p < kPhases; ++p) {
-      o[(t * kPhases + p) * 2] = totals().busy[t][p];
-      o[(t * kPhases + p) * 2 + 1] = totals().wait[t][p];
+      o[(t * kPhases + p) * 2] = totals().rows[t].busy[p];
+      o[(t * kPhases + p) * 2 + 1] = totals().rows[t].wait[p];
     }
   return {out, totals().calls};
 }

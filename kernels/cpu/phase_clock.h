@@ -16,14 +16,18 @@ namespace tritonserve_phases {
 enum Phase { kNorm, kQkv, kAttention, kO, kGateUp, kDown, kPhases };
 constexpr int64_t kThreads = 64;  // decode_layers' team is at most this large
 
+// one thread's seconds, on cache lines of its own (the laps of two threads do not share one)
+struct alignas(64) Row {
+  double busy[kPhases];
+  double wait[kPhases];
+};
+
 struct Totals {
   std::atomic<bool> on{false};
-  double busy[kThreads][kPhases];  // seconds
-  double wait[kThreads][kPhases];
+  Row rows[kThreads];
   int64_t calls = 0;
   void reset() {
-    std::memset(busy, 0, sizeof busy);
-    std::memset(wait, 0, sizeof wait);
+    std::memset(rows, 0, sizeof rows);
     calls = 0;
   }
 };
@@ -39,10 +43,10 @@ class Clock {
  public:
   Clock(int64_t thread, bool on) : t_(thread), on_(on && thread < kThreads), last_(now()) {}
   void busy(Phase p) {
-    if (on_) add(totals().busy[t_][p]);
+    if (on_) add(totals().rows[t_].busy[p]);
   }
   void wait(Phase p) {
-    if (on_) add(totals().wait[t_][p]);
+    if (on_) add(totals().rows[t_].wait[p]);
   }
 
  private:
