@@ -142,9 +142,8 @@ inline void store_row_dp(__m512 lo, __m512 hi, uint16_t* y, int64_t ncols, const
 // 211-220, down 576 x 1536 207-214 -> 229-233, results bit-identical; the engine's batch-64
 // decode step 6-10 % faster, in 15 of 16 alternated blocks (docs/benchmarks.md, twenty-third
 // session).
-// (Other compilers: the same row addresses through intrinsics.)
-#if defined(__clang__) || !defined(__GNUC__)
-#define TS_DP_ROW(m, ADDR)                                                                \
+// lo[m] += x_m . w0, hi[m] += x_m . w1 (x_m: row m's pair, at p + m s, broadcast)
+#define TS_DP_ROW_C(m)                                                                    \
   if constexpr (R > m) {                                                                  \
     uint32_t word;                                                                        \
     std::memcpy(&word, p + m * s, sizeof word);                                           \
@@ -152,6 +151,10 @@ inline void store_row_dp(__m512 lo, __m512 hi, uint16_t* y, int64_t ncols, const
     lo##m = _mm512_dpbf16_ps(lo##m, xs, w0);                                              \
     hi##m = _mm512_dpbf16_ps(hi##m, xs, w1);                                              \
   }
+// the same with row m's address mode (ADDR) written out: GCC's asm; other compilers get
+// the intrinsics
+#if defined(__clang__) || !defined(__GNUC__)
+#define TS_DP_ROW(m, ADDR) TS_DP_ROW_C(m)
 #else
 #define TS_DP_ROW(m, ADDR)                                                               \
   if constexpr (R > m)                                                                   \
@@ -161,7 +164,6 @@ inline void store_row_dp(__m512 lo, __m512 hi, uint16_t* y, int64_t ncols, const
       : [w0] "v"(w0), [w1] "v"(w1), [p] "r"(p), [q] "r"(q), [s] "r"(s), [s3] "r"(s3),     \
         [s5] "r"(s5), "m"(*(const char(*)[4])p))
 #endif
-// lo[m] += x_m . w0, hi[m] += x_m . w1 for the tile's rows (x_m: row m's pair, broadcast)
 #define TS_DP_ROWS                                                                         \
   TS_DP_ROW(0, "(%[p])");         TS_DP_ROW(1, "(%[p],%[s],1)");   TS_DP_ROW(2, "(%[p],%[s],2)");  \
   TS_DP_ROW(3, "(%[q])");         TS_DP_ROW(4, "(%[p],%[s],4)");   TS_DP_ROW(5, "(%[p],%[s5],1)"); \
@@ -202,15 +204,16 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* pane
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + full * 2 * kCols + kCols);
     uint32_t words[R];
     for (int m = 0; m < R; ++m) words[m] = pair_at(x + m * ldx, full, K);
-    asm volatile("" ::: "memory");
-    p = reinterpret_cast<const char*>(words), s = 4, s3 = 12, s5 = 20;
-    [[maybe_unused]] const char* q = p + s3;
-    TS_DP_ROWS;
+    p = reinterpret_cast<const char*>(words), s = 4;  // intrinsics: the compiler sees the reads
+    TS_DP_ROW_C(0); TS_DP_ROW_C(1); TS_DP_ROW_C(2); TS_DP_ROW_C(3); TS_DP_ROW_C(4);
+    TS_DP_ROW_C(5); TS_DP_ROW_C(6); TS_DP_ROW_C(7); TS_DP_ROW_C(8); TS_DP_ROW_C(9);
+    TS_DP_ROW_C(10); TS_DP_ROW_C(11); TS_DP_ROW_C(12);
   }
   TS_STORE_ROW(0); TS_STORE_ROW(1); TS_STORE_ROW(2); TS_STORE_ROW(3); TS_STORE_ROW(4);
   TS_STORE_ROW(5); TS_STORE_ROW(6); TS_STORE_ROW(7); TS_STORE_ROW(8); TS_STORE_ROW(9);
   TS_STORE_ROW(10); TS_STORE_ROW(11); TS_STORE_ROW(12);
 }
+#undef TS_DP_ROW_C
 #undef TS_DP_ROW
 #undef TS_DP_ROWS
 #undef TS_STORE_ROW
