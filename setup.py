@@ -4,8 +4,13 @@ setup(
     name="tritonserve",
     version="0.1.0",
     description="A vLLM-style LLM serving engine whose hot paths are Triton kernels",
-    packages=find_packages(include=["engine", "engine.*", "kernels", "kernels.*",
-                                    "server", "server.*", "bench", "bench.*"]),
+    # One import name, `tritonserve` (tests/test_packaging.py): a generic top-level name such
+    # as `kernels` is shadowed by, or shadows, a dependency's (transformers 5.25 imports HF's
+    # `kernels` package).
+    packages=find_packages(include=["tritonserve", "tritonserve.*"]),
+    package_data={"tritonserve.kernels": ["cpu/*.cpp", "cpu/*.h"],
+                  "tritonserve.bench": ["*.sh"]},
+    entry_points={"console_scripts": ["tritonserve = tritonserve.cli:main"]},
     python_requires=">=3.10",
     install_requires=[
         # A range that the CPU build 2.13.0 satisfies; scripts/bootstrap.sh pins it first
@@ -30,6 +35,8 @@ setup(
         "ninja>=1.11",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "matplotlib>=3.8"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "matplotlib>=3.8",
+                 # tests/test_packaging.py builds the wheel offline (--no-build-isolation)
+                 "setuptools>=70.1"],
     },
 )

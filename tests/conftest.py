@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from engine import config as engine_config  # noqa: E402
+from tritonserve.engine import config as engine_config  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
 
 SHIPPED_CPU_DECODE_MODES = dict(engine_config.CPU_DECODE_MODES)
@@ -48,13 +48,14 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    from engine.default_model import default_model_path
+    from tritonserve.engine.default_model import default_model_path
     return str(default_model_path())
 
 
 @pytest.fixture(scope="session")
 def device() -> str:
-    """Kernel tests run on CUDA when there is one (bench/gpu_check.sh), else interpreted."""
+    """Kernel tests run on CUDA when there is one (tritonserve/bench/gpu_check.sh), else
+    interpreted."""
     import torch
     return "cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "0" \
         else "cpu"
@@ -63,8 +64,8 @@ def device() -> str:
 @pytest.fixture(scope="module")
 def server(tiny_model):
     """A real server on the tiny model, per test module (test_server.py has its own)."""
-    from engine import LLMEngine
-    from engine.llm import build_config
+    from tritonserve.engine import LLMEngine
+    from tritonserve.engine.llm import build_config
     from tests.server_util import ServerThread
     srv = ServerThread(LLMEngine(build_config(tiny_model)))
     yield srv

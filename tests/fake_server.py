@@ -10,8 +10,8 @@ import time
 from aiohttp import web
 from pydantic import ValidationError
 
-from server.common import ApiError, sampling_params
-from server.schema import CompletionRequest, GenerateRequest
+from tritonserve.server.common import ApiError, sampling_params
+from tritonserve.server.schema import CompletionRequest, GenerateRequest
 
 VOCAB = ["Hel", "lo", ",", " wor", "ld", " 你", "好", "！", " ca", "fé", " 😀", " the",
          " end", ".", " and", " so", " on"]

@@ -8,8 +8,8 @@ import threading
 
 from aiohttp import web
 
-from server.app import build_app
-from server.config import ServerConfig
+from tritonserve.server.app import build_app
+from tritonserve.server.config import ServerConfig
 
 
 class ServerThread:

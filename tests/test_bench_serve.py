@@ -1,4 +1,4 @@
-"""python -m bench serve end to end against the project's server on the tiny model."""
+"""tritonserve bench serve end to end against the project's server on the tiny model."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,8 @@ from tests.server_util import ServerThread
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    from engine import LLMEngine
-    from engine.llm import build_config
+    from tritonserve.engine import LLMEngine
+    from tritonserve.engine.llm import build_config
     srv = ServerThread(LLMEngine(build_config(tiny_model)))
     yield srv
     srv.stop()
@@ -24,8 +24,8 @@ def server(tiny_model):
 def test_bench_serve_end_to_end(server, tiny_model, tmp_path, endpoint):
     result = tmp_path / "result.json"
     plot = tmp_path / "latency.png"
-    cmd = [sys.executable, "-m", "bench", "serve", "--base-url", server.url, "--endpoint",
-           endpoint, "--num-prompts", "12", "--max-concurrency", "4", "--input-len", "20",
+    cmd = [sys.executable, "-m", "tritonserve.bench", "serve", "--base-url", server.url,
+           "--endpoint", endpoint, "--num-prompts", "12", "--max-concurrency", "4", "--input-len", "20",
            "--output-len", "10", "--tokenizer", tiny_model, "--seed", "3",
            "--goodput", "ttft:5000", "tpot:1000", "--result-json", str(result)]
     if endpoint == "native":
@@ -48,7 +48,7 @@ def test_bench_serve_end_to_end(server, tiny_model, tmp_path, endpoint):
 
 
 def test_poisson_arrivals_are_repeatable():
-    from bench.workload import arrival_gaps, random_requests
+    from tritonserve.bench.workload import arrival_gaps, random_requests
     assert arrival_gaps(5, 2.0, 7) == arrival_gaps(5, 2.0, 7)
     assert arrival_gaps(3, None, 7) == [0.0] * 3
     a = random_requests(3, 8, 4, seed=1)

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from bench.throughput import measure_matmul_gflops
-from engine.models import linear
+from tritonserve.bench.throughput import measure_matmul_gflops
+from tritonserve.engine.models import linear
 
 
 def test_ceiling_measures_the_engine_linear_path(monkeypatch):
@@ -26,8 +26,8 @@ def test_ceiling_measures_the_engine_linear_path(monkeypatch):
 
 
 def test_bench_profile_reports_prefill_decode_and_ops(tiny_model):
-    proc = subprocess.run([sys.executable, "-m", "bench", "profile", "--model", tiny_model,
-                           "--num-prompts", "4", "--input-range", "5:20", "--steps", "3",
+    proc = subprocess.run([sys.executable, "-m", "tritonserve.bench", "profile", "--model",
+                           tiny_model, "--num-prompts", "4", "--input-range", "5:20", "--steps", "3",
                            "--profile-steps", "2", "--rows", "5", "--decode-mode", "eager"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -47,8 +47,8 @@ def test_bench_profile_reports_prefill_decode_and_ops(tiny_model):
 def test_bench_profile_compares_direct_graph_calls_with_dynamo(tiny_model):
     """--ab-direct: blocks of compiled steps with the direct graph calls on and off, both
     sides timed; on an eager decode it says there is nothing to compare."""
-    base = [sys.executable, "-m", "bench", "profile", "--model", tiny_model, "--num-prompts",
-            "3", "--input-range", "5:20", "--steps", "2", "--profile-steps", "1", "--rows", "3",
+    base = [sys.executable, "-m", "tritonserve.bench", "profile", "--model", tiny_model,
+            "--num-prompts", "3", "--input-range", "5:20", "--steps", "2", "--profile-steps", "1", "--rows", "3",
             "--ab-direct", "2"]
     proc = subprocess.run(base + ["--decode-mode", "compile"], capture_output=True, text=True,
                           timeout=600)
@@ -66,8 +66,8 @@ def test_bench_throughput_runs_share_no_prompts_and_use_the_runs_dtype(tiny_mode
     """The sampled run gets prompts of its own (it used to find the greedy run's in the prefix
     cache and read 1.21x faster for it), and the ceiling is measured in the engine's dtype."""
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, "-m", "bench", "throughput", "--model", tiny_model,
-                           "--num-prompts", "4", "--input-len", "40", "--output-len", "4",
+    proc = subprocess.run([sys.executable, "-m", "tritonserve.bench", "throughput", "--model",
+                           tiny_model, "--num-prompts", "4", "--input-len", "40", "--output-len", "4",
                            "--dtype", "bfloat16", "--skip-hf", "--result-json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

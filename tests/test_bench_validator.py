@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench.validator import NativeValidator, OpenAIValidator
+from tritonserve.bench.validator import NativeValidator, OpenAIValidator
 
 TIMING = {"ttft_ms": 1.0, "total_ms": 5.0, "queue_wait_ms": 0.5, "execution_ms": 4.5,
           "tokens_per_s": 400.0}

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.compile_probe import decode_batch
-from engine.attention import TorchAttention
-from engine.models import ForwardContext, ModelArch
-from engine.models.loader import build_model
-from kernels import cpu_ops
+from tritonserve.bench.compile_probe import decode_batch
+from tritonserve.engine.attention import TorchAttention
+from tritonserve.engine.models import ForwardContext, ModelArch
+from tritonserve.engine.models.loader import build_model
+from tritonserve.kernels import cpu_ops
 
 
 @pytest.mark.slow

@@ -11,10 +11,10 @@ import threading
 import pytest
 from aiohttp import web
 
-from bench import checks_openai
-from bench.conformance import run_checks
-from engine import LLMEngine
-from engine.llm import build_config
+from tritonserve.bench import checks_openai
+from tritonserve.bench.conformance import run_checks
+from tritonserve.engine import LLMEngine
+from tritonserve.engine.llm import build_config
 from tests.fake_server import FakeServer
 from tests.server_util import ServerThread
 from tests.tiny_models import eos_variant
@@ -43,7 +43,7 @@ def test_own_server_passes(own_server, api):
 
 def test_cli_exit_status_and_json(own_server, tmp_path):
     out = tmp_path / "conf.json"
-    proc = subprocess.run([sys.executable, "-m", "bench", "conformance", "--base-url",
+    proc = subprocess.run([sys.executable, "-m", "tritonserve.bench", "conformance", "--base-url",
                            own_server.url, "--only", "plain_stream", "max_tokens_1",
                            "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

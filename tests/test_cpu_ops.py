@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import TorchAttention
-from kernels import cpu_ops, reference
+from tritonserve.engine.attention import TorchAttention
+from tritonserve.kernels import cpu_build, cpu_ops, reference
 from tests.test_kernels_attention import (PREFILL_CASES, close, make_cache, poison_tails,
                                           scattered_tables)
 
@@ -134,7 +134,8 @@ def test_cpu_prefill_matches_reference(group, shapes, block_size, head_dim, dtyp
     """TorchAttention.prefill on the CPU: chunks up to PREFILL_AS_DECODE_MAX rows run as
     decode rows of the C++ op (row i of a chunk over its first seq_len - q_len + i + 1
     tokens: cached prefixes and earlier chunks included), longer ones through SDPA."""
-    import engine.attention as attention
+    import tritonserve.engine.attention as attention
+
     if not as_decode:
         monkeypatch.setattr(attention, "PREFILL_AS_DECODE_MAX", 0)
     kv_heads = 2
@@ -233,23 +234,23 @@ def test_backend_falls_back_to_torch_without_the_op(monkeypatch):
 def test_sources_are_staged_once_at_stable_paths(tmp_path):
     """The build reads copies under the cache, rewritten only when a source changes, so every
     checkout of the same code names the same paths and reuses one build."""
-    first = cpu_ops.stage_sources(tmp_path)
-    assert [p.rsplit("/", 1)[1] for p in first] == [s.name for s in cpu_ops.SOURCES]
-    for header in cpu_ops.HEADERS:  # beside the sources, where their #include finds it
+    first = cpu_build.stage_sources(tmp_path)
+    assert [p.rsplit("/", 1)[1] for p in first] == [s.name for s in cpu_build.SOURCES]
+    for header in cpu_build.HEADERS:  # beside the sources, where their #include finds it
         assert (Path(first[0]).parent / header.name).read_bytes() == header.read_bytes()
     stamps = [Path(p).stat().st_mtime_ns for p in first]
     Path(first[0]).write_text("// edited\n")
-    again = cpu_ops.stage_sources(tmp_path)
+    again = cpu_build.stage_sources(tmp_path)
     assert again == first
-    assert Path(first[0]).read_bytes() == cpu_ops.SOURCES[0].read_bytes()  # restored
+    assert Path(first[0]).read_bytes() == cpu_build.SOURCES[0].read_bytes()  # restored
     assert Path(first[1]).stat().st_mtime_ns == stamps[1]  # untouched: same contents
 
 
 @needs_op
 def test_cpu_decode_bench_runs(capsys):
-    """`python -m bench cpu-decode` on tiny shapes: a row per batch, the op (both schedules)
+    """`tritonserve bench cpu-decode` on tiny shapes: a row per batch, the op (both schedules)
     and torch timed."""
-    from bench import cpu_decode
+    from tritonserve.bench import cpu_decode
     assert cpu_decode.main(["--batches", "1,3", "--input-range", "5:40", "--calls", "2",
                             "--flush-mb", "1", "--pool-mb", "1", "--heads", "4",
                             "--kv-heads", "2"]) == 0
@@ -262,7 +263,7 @@ def test_cpu_decode_bench_runs(capsys):
 def test_cpu_decode_bench_engine_layout():
     """--layout engine: every page gets its own block, prompt pages per sequence in turn,
     then the later pages interleaved across the sequences."""
-    from bench.cpu_decode import engine_tables
+    from tritonserve.bench.cpu_decode import engine_tables
     tables = engine_tables([3, 5, 6], 2, 40, torch.Generator().manual_seed(0))
     base = int(tables[0, 0])
     assert (tables[:, :2] - base).tolist() == [[0, 1], [2, 3], [4, 5]]
@@ -273,9 +274,9 @@ def test_cpu_decode_bench_engine_layout():
 
 
 def test_cpu_linear_bench_runs(capsys):
-    """`python -m bench cpu-linear` on tiny shapes: a row per M with every available form timed
+    """`tritonserve bench cpu-linear` on tiny shapes: a row per M with every available form timed
     (the C++ panels here, oneDNN where it is built in)."""
-    from bench import cpu_linear
+    from tritonserve.bench import cpu_linear
     assert cpu_linear.main(["--rows", "1,3", "--layers", "1", "--hidden", "32",
                             "--intermediate", "48", "--heads", "2", "--kv-heads", "1",
                             "--head-dim", "16", "--vocab", "100", "--repeats", "1"]) == 0
@@ -344,7 +345,7 @@ def test_rotary_embedding_rounds_the_exact_rotation_once(dtype):
     """The C++ rope reads q / k as the views of the qkv output they are (row stride != heads
     x D) and returns x * cos + rotate_half(x) * sin computed in fp32 and rounded once: within
     one rounding step of the float64 rotation of the same inputs."""
-    from engine.models.decoder import RotaryEmbedding
+    from tritonserve.engine.models.decoder import RotaryEmbedding
     rotate = cpu_ops.rotary_embedding()
     gen = torch.Generator().manual_seed(11)
     qkv = torch.randn(37, 9 * 64 + 2 * 3 * 64, generator=gen).to(dtype)
@@ -406,7 +407,7 @@ def test_rope_store_kv_rotates_and_writes_what_the_unfused_path_does(dtype):
 def test_cpu_bf16_attention_uses_the_fused_rope_store(tiny_model):
     """bf16 on the CPU: the model hands the qkv output to the backend's fused rope + store
     (eager prefill and the compiled decode alike); fp32 keeps torch's op-by-op rope."""
-    from engine import LLM, SamplingParams
+    from tritonserve.engine import LLM, SamplingParams
     calls = []
     fused = torch.ops.tritonserve.rope_store_kv
     backend = TorchAttention(torch.device("cpu"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops, reference
+from tritonserve.kernels import cpu_ops, reference
 from tests.test_cpu_ops import needs_op
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata, TorchAttention
-from engine.config import EngineConfig
-from engine.decode_graphs import DecodeGraphs, bucket_sizes
-from engine.models import ForwardContext, ModelArch
-from engine.models.loader import build_model
-from kernels import cpu_ops
+from tritonserve.engine import LLM, SamplingParams
+from tritonserve.engine.attention import AttentionMetadata, TorchAttention
+from tritonserve.engine.config import EngineConfig
+from tritonserve.engine.decode_graphs import DecodeGraphs, bucket_sizes
+from tritonserve.engine.models import ForwardContext, ModelArch
+from tritonserve.engine.models.loader import build_model
+from tritonserve.kernels import cpu_ops
 from tests.parity import TIE_GAP_BF16, assert_parity, hf_greedy
 from tests.test_engine_parity import mixed_prompts, run_and_compare
 from tests.tiny_models import write_tiny_model
@@ -103,7 +103,7 @@ def test_padding_rows_write_only_the_null_block(tiny_model):
 
 
 def test_decode_mode_choices_and_enforce_eager(tiny_model, shipped_defaults):
-    from server.__main__ import parse_args
+    from tritonserve.server.__main__ import parse_args
     assert parse_args([]).decode_mode == EngineConfig.decode_mode == "auto"
     assert parse_args(["--enforce-eager"]).decode_mode == "eager"
     assert parse_args(["--decode-mode", "static"]).decode_mode == "static"
@@ -179,7 +179,7 @@ def test_compiled_bf16_decode_matches_transformers_in_bf16(tiny_model, shipped_d
     projection on the bf16 panels (kernels/cpu/linear_bf16.cpp) inside the graph. Against
     transformers in bf16 with the bf16 tie rule (tests/parity.py: a divergence only where the
     reference's top two logits lie within one bf16 step), as the eager bf16 parity test."""
-    from engine.models.linear import Linear, can_pack_panels
+    from tritonserve.engine.models.linear import Linear, can_pack_panels
     llm = LLM(tiny_model, dtype="bfloat16", max_num_seqs=4)
     graphs, model = llm.engine.runner.graphs, llm.engine.runner.model
     assert graphs.mode == "compile"
@@ -216,8 +216,8 @@ def assert_direct_calls_match_dynamo(graphs: DecodeGraphs) -> None:
 
 
 def test_cudagraph_decode_matches_eager(tiny_model, device):
-    """On CUDA (bench/gpu_check.sh runs it): every bucket captured at start-up and replayed;
-    greedy tokens identical to the eager engine on the same weights."""
+    """On CUDA (tritonserve/bench/gpu_check.sh runs it): every bucket captured at start-up and
+    replayed; greedy tokens identical to the eager engine on the same weights."""
     if device != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     prompts = mixed_prompts(LLM(tiny_model, max_num_seqs=2).tokenizer, count=11, seed=8)

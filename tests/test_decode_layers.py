@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from kernels import cpu_ops
+from tritonserve.engine import LLM, SamplingParams
+from tritonserve.engine.config import EngineConfig
+from tritonserve.kernels import cpu_ops
 from tests.parity import TIE_GAP_BF16, assert_parity, hf_greedy
 from tests.test_engine_parity import mixed_prompts
 from tests.tiny_models import write_tiny_model
@@ -147,7 +147,7 @@ def test_layers_gives_way_where_it_does_not_take_the_model(tiny_model, tiny_mode
     """The tiny model's head size (16) has no bf16 attention instance: `auto` runs the
     compiled step instead and says why; asked for by name, layers refuses, naming
     decode_mode (so does a model with q/k norms, in any dtype); it is a CPU mode."""
-    with caplog.at_level("INFO", logger="engine"):
+    with caplog.at_level("INFO", logger="tritonserve.engine"):
         llm = LLM(tiny_model, dtype="bfloat16", max_num_seqs=2)
     assert llm.engine.runner.decode_mode == "compile" and llm.engine.runner.decode_layers is None
     assert "decode_mode layers does not take" in caplog.text

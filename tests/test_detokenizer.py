@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from tritonserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 pytestmark = pytest.mark.smollm2
 
@@ -123,7 +123,7 @@ def test_possible_stop_prefix_is_held_then_released(tokenizer):
 def test_the_plain_decode_is_the_tokenizers_decode(tokenizer, ids, skip):
     """The detokenizer's shortcut past transformers' wrapper gives the wrapper's text, for
     any ids (special tokens included, skipped or not)."""
-    from engine.detokenizer import plain_decode
+    from tritonserve.engine.detokenizer import plain_decode
     plain = plain_decode(tokenizer)
     assert plain is not None  # SmolLM2's tokenizer takes it
     assert plain(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip,
@@ -132,7 +132,7 @@ def test_the_plain_decode_is_the_tokenizers_decode(tokenizer, ids, skip):
 
 def test_a_tokenizer_with_its_own_decode_keeps_it(tokenizer):
     """A tokenizer class that overrides the decode path is never bypassed."""
-    from engine.detokenizer import plain_decode
+    from tritonserve.engine.detokenizer import plain_decode
 
     class Shouting(type(tokenizer)):
         def _decode(self, token_ids, **kwargs):

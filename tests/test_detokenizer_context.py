@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import LLMEngine, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
-from engine.llm import build_config
-from engine.llm_engine import PROMPT_DETOKENIZE_CONTEXT
+from tritonserve.engine import LLMEngine, SamplingParams
+from tritonserve.engine.detokenizer import IncrementalDetokenizer
+from tritonserve.engine.llm import build_config
+from tritonserve.engine.llm_engine import PROMPT_DETOKENIZE_CONTEXT
 from tests.tiny_models import write_tiny_model, write_tokenizer
 
 

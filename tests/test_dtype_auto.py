@@ -6,15 +6,16 @@ import logging
 
 import pytest
 
-import engine.dtype as dtype
-from engine import LLM
-from engine.models import ModelArch
+import tritonserve.engine.dtype as dtype
+
+from tritonserve.engine import LLM
+from tritonserve.engine.models import ModelArch
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_follows_the_model_where_the_cpu_runs_it(monkeypatch, caplog, native):
     monkeypatch.setattr(dtype, "cpu_has_native_bf16", lambda: native)
-    with caplog.at_level(logging.INFO, logger="engine"):
+    with caplog.at_level(logging.INFO, logger="tritonserve.engine"):
         got = dtype.resolve_dtype("auto", "bfloat16", "cpu")
     assert got == ("bfloat16" if native else "float32")
     assert ("no native bfloat16" in caplog.text) is (not native)
@@ -46,7 +47,7 @@ def test_engine_default_is_auto_and_resolved(tiny_model):
 
 @pytest.mark.smollm2
 def test_embedded_model_defaults_to_bf16_where_the_cpu_has_it(smollm2_path):
-    """The embedded SmolLM2 records its upstream dtype (bf16), so `python -m server` with no
+    """The embedded SmolLM2 records its upstream dtype (bf16), so `tritonserve serve` with no
     dtype flag runs bf16 on a CPU with native bf16 and fp32 elsewhere."""
     assert ModelArch.from_folder(smollm2_path).torch_dtype == "bfloat16"
     assert dtype.resolve_dtype("auto", "bfloat16", "cpu") == (

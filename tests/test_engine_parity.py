@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from tritonserve.engine import LLM, SamplingParams
 from tests.parity import TIE_GAP_BF16, assert_parity, hf_greedy
 
 
@@ -112,8 +112,8 @@ def test_parity_with_a_large_mixed_length_batch(tiny_model):
 def test_bucketed_decode_attention_matches_reference():
     import torch
 
-    from engine.attention import bucketed_decode_attention
-    from kernels import reference
+    from tritonserve.engine.attention import bucketed_decode_attention
+    from tritonserve.kernels import reference
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(400, 16, 2, 64, generator=gen)
     v_cache = torch.randn(400, 16, 2, 64, generator=gen)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, FinishReason, SamplingParams
+from tritonserve.engine import LLM, FinishReason, SamplingParams
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "def main():",
            "Paged attention stores keys and values in fixed-size blocks. " * 2]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineDeadError, FinishReason, LLMEngine, SamplingParams
-from engine.llm import build_config
-from engine.llm_engine import MAX_FAILED_STEPS
+from tritonserve.engine import EngineDeadError, FinishReason, LLMEngine, SamplingParams
+from tritonserve.engine.llm import build_config
+from tritonserve.engine.llm_engine import MAX_FAILED_STEPS
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import LLMEngine
-from engine.llm import build_config
+from tritonserve.engine import LLMEngine
+from tritonserve.engine.llm import build_config
 from tests.server_util import ServerThread, request, sse_payloads
 from tests.test_server import validate_native
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
-from engine.llm import build_config
+from tritonserve.engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
+from tritonserve.engine.llm import build_config
 from tests.tiny_models import eos_variant
 
 PROMPT = "The quick brown fox"
@@ -114,7 +114,7 @@ def test_timing_is_ordered(tiny_model):
 
 
 def test_rejects_requests_that_can_never_run(tiny_model):
-    from engine import InvalidRequestError
+    from tritonserve.engine import InvalidRequestError
     engine = LLMEngine(EngineConfig(model=tiny_model,
                                     cache=build_config(num_blocks=4).cache))
     assert engine.max_model_len == 64  # capped by the 4-block cache
@@ -128,7 +128,7 @@ def test_rejects_requests_that_can_never_run(tiny_model):
 
 
 def test_offline_generate_enqueues_nothing_when_one_prompt_is_invalid(tiny_model):
-    from engine import LLM, InvalidRequestError
+    from tritonserve.engine import LLM, InvalidRequestError
     llm = LLM(tiny_model)
     with pytest.raises(InvalidRequestError, match="max_model_len"):
         llm.generate(["fine", "also fine", "too long"],

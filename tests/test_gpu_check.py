@@ -1,5 +1,5 @@
-"""bench/gpu_check.sh --dry-run: the GPU machine's one script rehearsed on the CPU, so the
-first (15-minute) GPU session does not find a broken script."""
+"""tritonserve/bench/gpu_check.sh --dry-run: the GPU machine's one script rehearsed on the CPU,
+so the first (15-minute) GPU session does not find a broken script."""
 from __future__ import annotations
 
 import json
@@ -10,14 +10,20 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_writes_every_section(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=400)
+    """As the README's set-up leaves it: no PYTHON given, the script finds .venv's python (it
+    once ran `python3` from PATH, which has no torch). Outside a repo venv (a temporary one
+    of scripts/check_latest.sh), PYTHON names this interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env["OUT"] = str(tmp_path)
+    if not (ROOT / ".venv" / "bin" / "python").exists():
+        env["PYTHON"] = sys.executable
+    proc = subprocess.run(["bash", "tritonserve/bench/gpu_check.sh", "--dry-run"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (tmp_path / "gpu_check.md").read_text()
     for section in ("## Kernel tests", "## Kernel microbenchmarks", "## Engine"):

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import tritonserve.kernels
+
+from tritonserve.kernels import reference
 
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3),
              torch.bfloat16: (1.5e-2, 1e-2)}
@@ -212,7 +213,7 @@ def test_store_kv_cache_exact_and_skips_padding(dtype, device):
 
 
 def test_prefill_autotuner_keeps_each_dtypes_space():
-    from kernels import prefill_attention as pa
+    from tritonserve.kernels import prefill_attention as pa
     configs = pa._tuned_prefill_kernel.configs
     for fp32 in (True, False):
         kept = pa._prune(configs, {}, FP32=fp32)

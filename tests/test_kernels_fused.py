@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import cpu_ops, reference
+import tritonserve.kernels
+
+from tritonserve.kernels import cpu_ops, reference
 
 CPU_OPS = cpu_ops.fused_ops()
 IMPLS = {"triton": (kernels.add_rms_norm, kernels.silu_and_mul),

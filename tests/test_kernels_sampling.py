@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_ops, reference
+import tritonserve.kernels
+
+from tritonserve.kernels import cpu_ops, reference
 
 SAMPLERS = {"triton": kernels.sample, "torch": reference.sample}
 # chi-square 0.999 quantiles by degrees of freedom (fixed seeds: the test is deterministic)

@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.config import SchedulerConfig
-from engine.kv_cache import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from tritonserve.engine.config import SchedulerConfig
+from tritonserve.engine.kv_cache import KVCacheManager
+from tritonserve.engine.request import Request, RequestStatus
+from tritonserve.engine.sampling_params import SamplingParams
+from tritonserve.engine.scheduler import Scheduler
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -113,7 +113,7 @@ def test_prefix_hit_is_confirmed_and_never_covers_the_last_token():
 
 
 def test_prefix_keys_are_sha256_chains_and_a_hit_compares_content(monkeypatch):
-    from engine.kv_cache import BlockKey
+    from tritonserve.engine.kv_cache import BlockKey
     key = BlockKey(None, (1, 2, 3, 4))
     assert len(key.digest) == 32 and key.digest != BlockKey(key.digest, (1, 2, 3, 4)).digest
     kv = KVCacheManager(16, 4, enable_prefix_caching=True)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, InvalidRequestError, LLMEngine, SamplingParams
-from engine.config import CacheConfig, EngineConfig
-from engine.llm import build_config
-from engine.models import ModelArch
+from tritonserve.engine import LLM, InvalidRequestError, LLMEngine, SamplingParams
+from tritonserve.engine.config import CacheConfig, EngineConfig
+from tritonserve.engine.llm import build_config
+from tritonserve.engine.models import ModelArch
 from tests.tiny_models import write_tiny_model
 
 
@@ -55,7 +55,7 @@ def test_requests_are_admitted_by_what_they_need_now(tiny_model):
 
 
 def test_out_of_memory_while_allocating_the_cache_is_one_line(tiny_model, monkeypatch):
-    import engine.model_runner as runner
+    import tritonserve.engine.model_runner as runner
 
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
@@ -92,7 +92,8 @@ def test_sliding_window_model_is_refused_past_its_window(tmp_path):
 
 
 def test_cpu_cache_is_sized_from_available_memory(tiny_model, monkeypatch):
-    import engine.memory as memory
+    import tritonserve.engine.memory as memory
+
     arch = LLM(tiny_model, num_blocks=1).engine.arch
     weights = memory.weight_bytes(EngineConfig(dtype="float32"), arch)
     per_token = arch.kv_bytes_per_token(torch.float32)
@@ -115,7 +116,7 @@ def test_cpu_cache_is_sized_from_available_memory(tiny_model, monkeypatch):
 
 
 def test_cuda_budget_follows_vllms_rule():
-    from engine.memory import cuda_cache_bytes
+    from tritonserve.engine.memory import cuda_cache_bytes
     gib = 1 << 30
     # an H200 after loading: 141 GiB, 17 GiB in use (16 GiB of bf16 8B weights, 1 GiB of
     # context and others), a profiled step peaking at 2 GiB
@@ -129,7 +130,7 @@ def test_profiled_step_runs_the_largest_batch_and_leaves_the_engine_intact(tiny_
     """The profile pass (CUDA sizes its cache from its peak) runs the largest step's shape:
     max_num_batched_tokens prompt tokens cut into max_model_len sequences, then the logits of
     max_num_seqs rows; it writes nothing into the engine's cache. On the CPU it measures 0."""
-    from engine.memory import profiles_cache
+    from tritonserve.engine.memory import profiles_cache
 
     params = SamplingParams(temperature=0.0, max_tokens=6)
     llm = LLM(tiny_model, max_model_len=40, max_num_batched_tokens=100, num_blocks=32)

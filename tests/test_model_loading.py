@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-from engine.models import ModelArch, WeightLoadError, build_model
-from kernels import cpu_ops
+from tritonserve.engine import LLM, SamplingParams
+from tritonserve.engine.models import ModelArch, WeightLoadError, build_model
+from tritonserve.kernels import cpu_ops
 
 
 def copy_with(tiny_model, tmp_path, edit):
@@ -99,8 +99,8 @@ def test_unsupported_architecture_is_rejected():
 def test_engine_cli_generates(tiny_model):
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-m", "engine", "generate", "--model", tiny_model,
-                           "--prompt", "Hello", "--max-tokens", "5", "--enforce-eager"],
+    proc = subprocess.run([sys.executable, "-m", "tritonserve.engine", "generate", "--model",
+                           tiny_model, "--prompt", "Hello", "--max-tokens", "5", "--enforce-eager"],
                           capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -110,7 +110,7 @@ def test_engine_cli_generates(tiny_model):
 def test_bench_kernels_runs_on_cpu():
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-m", "bench", "kernels", "--batch", "2",
+    proc = subprocess.run([sys.executable, "-m", "tritonserve.bench", "kernels", "--batch", "2",
                            "--context", "64", "--heads", "4", "--kv-heads", "2",
                            "--head-dim", "64", "--sample-batch", "2", "--vocab", "512"],
                           capture_output=True, text=True, timeout=120)
@@ -133,8 +133,8 @@ def test_linear_matches_float64(dtype, tolerance, packed, rows):
     a k-chunk of 256 plus a remainder; 7 and 37 rows cover full and partial 6-row tiles (2, 7
     and 16 with the first tile prefetching the next chunk, past the last panel's end too), 300
     two of the panels' row blocks (216 + 84 rows of 301 floats: 256 KB blocks)."""
-    from engine.models.linear import (can_pack_panels, can_prepack, linear, pack_panels,
-                                      prepack_weight)
+    from tritonserve.engine.models.linear import (can_pack_panels, can_prepack, linear, pack_panels,
+                                                  prepack_weight)
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 301, generator=generator).to(dtype)
     weight = torch.randn(165, 301, generator=generator).to(dtype) / 10
@@ -160,7 +160,7 @@ def test_bf16_mlp_applies_silu_in_the_matmul(tiny_model):
     (MLP.fuse_silu) and gives what the unfused gate/up, silu_and_mul, down path gives."""
     import copy
 
-    from engine.models.decoder import MLP, silu_and_mul
+    from tritonserve.engine.models.decoder import MLP, silu_and_mul
     model = LLM(tiny_model, dtype="bfloat16").engine.runner.model
     mlps = [m for m in model.modules() if isinstance(m, MLP)]
     if cpu_ops.packed_linear_silu_mul_bf16() is None:
@@ -192,7 +192,7 @@ def test_bfloat16_engine_tracks_float32(tiny_model):
 
 
 def test_linear_keeps_gradients_right_outside_inference_mode():
-    from engine.models.linear import linear
+    from tritonserve.engine.models.linear import linear
     weight = torch.randn(8, 4, requires_grad=True)
     x = torch.randn(3, 4)
     linear(x, weight).sum().backward()
@@ -200,7 +200,7 @@ def test_linear_keeps_gradients_right_outside_inference_mode():
 
 
 def test_prepacked_weights_refuse_inputs_that_need_gradients():
-    from engine.models.linear import linear, pack_weight
+    from tritonserve.engine.models.linear import linear, pack_weight
     weight = torch.randn(8, 4)
     packed = pack_weight(weight, 8)
     if packed is None:
@@ -210,7 +210,7 @@ def test_prepacked_weights_refuse_inputs_that_need_gradients():
 
 
 def test_panel_weights_need_out_features():
-    from engine.models.linear import can_pack_panels, linear, pack_panels
+    from tritonserve.engine.models.linear import can_pack_panels, linear, pack_panels
     weight = torch.randn(20, 4)
     if not can_pack_panels(weight):
         pytest.skip("the C++ CPU ops are unavailable")
@@ -221,7 +221,7 @@ def test_panel_weights_need_out_features():
 def test_cpu_engine_runs_on_prepacked_weights(tiny_model):
     """The fast path is the one the parity tests exercise: every projection is packed (C++
     panels for fp32 when the library is built, else oneDNN's layout)."""
-    from engine.models.linear import Linear, can_pack_panels, can_prepack
+    from tritonserve.engine.models.linear import Linear, can_pack_panels, can_prepack
     model = LLM(tiny_model).engine.runner.model
     plain = model.embed_tokens.weight
     if can_pack_panels(plain):

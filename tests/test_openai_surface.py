@@ -168,8 +168,8 @@ def test_tokenize_detokenize_version(server):
 
 def test_n_choices_prefill_the_prompt_once(tiny_model):
     """The siblings wait for the first one's prefill, then take its blocks from the cache."""
-    from engine import LLMEngine, SamplingParams
-    from engine.llm import build_config
+    from tritonserve.engine import LLMEngine, SamplingParams
+    from tritonserve.engine.llm import build_config
     engine = LLMEngine(build_config(tiny_model))
     scheduled = []
     execute = engine.runner.execute
@@ -196,7 +196,7 @@ def test_n_choices_prefill_the_prompt_once(tiny_model):
 def test_the_server_reaches_the_engine_through_one_door():
     """Only server/async_engine.py touches LLMEngine; routes, metrics and __main__ use the
     AsyncEngine's card, stats, prompts and submit."""
-    for path in (ROOT / "server").glob("*.py"):
+    for path in (ROOT / "tritonserve" / "server").glob("*.py"):
         if path.name == "async_engine.py":
             continue
         text = path.read_text()
@@ -204,9 +204,9 @@ def test_the_server_reaches_the_engine_through_one_door():
 
 
 def test_cli_defaults_come_from_the_configs():
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from server.__main__ import parse_args, server_config
-    from server.config import ServerConfig
+    from tritonserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tritonserve.server.__main__ import parse_args, server_config
+    from tritonserve.server.config import ServerConfig
     args = parse_args([])
     assert server_config(args) == ServerConfig()
     assert args.max_num_seqs == SchedulerConfig.max_num_seqs
@@ -219,7 +219,7 @@ def test_cli_defaults_come_from_the_configs():
 
 def test_sampling_ranges_come_from_sampling_params(server):
     """The schema has types only; the range and the message are SamplingParams' own."""
-    from engine import InvalidRequestError, SamplingParams
+    from tritonserve.engine import InvalidRequestError, SamplingParams
     with pytest.raises(InvalidRequestError) as exc:
         SamplingParams(top_p=1.5)
     status, _, raw = request(server.port, "POST", "/v1/completions",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.sampling_state import apply_penalties
+from tritonserve.engine import LLM, SamplingParams
+from tritonserve.engine.sampling_state import apply_penalties
 
 
 def loop_reference(logits, prompt, output, repetition, presence, frequency):
@@ -120,9 +120,10 @@ def _sample_args(batch: int = 5, vocab: int = 64, seed: int = 3):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_sample_op_matches_the_kernel_it_names(backend):
     """tritonserve::sample is the registered door to both samplers: the same tokens as the
-    direct call (the Triton one interpreted here, on CUDA in bench/gpu_check.sh)."""
-    import kernels
-    from kernels import reference
+    direct call (the Triton one interpreted here, on CUDA in tritonserve/bench/gpu_check.sh)."""
+    import tritonserve.kernels
+
+    from tritonserve.kernels import reference
     args = _sample_args()
     direct = (kernels.sample if backend == "triton" else reference.sample)(*args)
     via_op = torch.ops.tritonserve.sample(*args, backend=backend)

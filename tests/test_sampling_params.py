@@ -1,6 +1,6 @@
 import pytest
 
-from engine import InvalidRequestError, SamplingParams
+from tritonserve.engine import InvalidRequestError, SamplingParams
 
 INVALID = [
     ("temperature", {"temperature": -0.5}),
@@ -61,7 +61,7 @@ def test_integer_numbers_are_stored_as_floats(tiny_model):
     """temperature=0 or 1 as ints (what a Python caller writes): stored as floats, so the
     sampler's temperature tensor is float32; an int reached the C++ draw as int64 and every
     step of the batch failed ("sample_softmax needs float32 temperature")."""
-    from engine import LLM
+    from tritonserve.engine import LLM
     p = SamplingParams(temperature=1, top_p=1, min_p=0, repetition_penalty=1,
                        presence_penalty=0, frequency_penalty=0)
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",

@@ -7,10 +7,10 @@ import random
 
 import torch
 
-from engine import LLM, SamplingParams
-from engine.request import Request
-from engine.sampler import step_seed, step_seeds
-from engine.sampling_state import RowPool, SamplingState, apply_penalties
+from tritonserve.engine import LLM, SamplingParams
+from tritonserve.engine.request import Request
+from tritonserve.engine.sampler import step_seed, step_seeds
+from tritonserve.engine.sampling_state import RowPool, SamplingState, apply_penalties
 
 VOCAB = 40
 EOS = frozenset({0})

@@ -9,9 +9,9 @@ import time
 import aiohttp
 import pytest
 
-from engine import LLMEngine
-from engine.llm import build_config
-from server.schema import STREAM_EVENT, StreamDoneEvent, StreamTokenEvent
+from tritonserve.engine import LLMEngine
+from tritonserve.engine.llm import build_config
+from tritonserve.server.schema import STREAM_EVENT, StreamDoneEvent, StreamTokenEvent
 from tests.server_util import ServerThread, metric, request, sse_payloads
 from tests.tiny_models import eos_variant
 

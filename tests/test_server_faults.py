@@ -13,9 +13,9 @@ import time
 import aiohttp
 import pytest
 
-from engine import LLMEngine
-from engine.llm import build_config
-from server.common import STATE
+from tritonserve.engine import LLMEngine
+from tritonserve.engine.llm import build_config
+from tritonserve.server.common import STATE
 from tests.server_util import ServerThread, metric, request, sse_payloads
 from tests.test_server import validate_native
 

@@ -1,4 +1,5 @@
-"""`python -m server` as a real process: SIGTERM drains, then ends streams with an error."""
+"""`python -m tritonserve.server` as a real process: SIGTERM drains, then ends streams with an
+error."""
 from __future__ import annotations
 
 import os
@@ -13,11 +14,13 @@ from tests.server_util import request, sse_payloads
 from tests.test_server import free_port, validate_native
 
 
-# `python -m server` whose every forward pass hits a device fault (patched in before main)
+# `python -m tritonserve.server` whose every forward pass hits a device fault (patched in
+# before main)
 DEVICE_FAULT = """
 import sys
-import engine.model_runner as runner
-import server.__main__ as main
+import tritonserve.engine.model_runner as runner
+
+import tritonserve.server.__main__ as main
 
 def execute(self, schedule):
     raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -27,7 +30,7 @@ sys.exit(main.main(sys.argv[1:]))
 """
 
 
-def start_server(model: str, *extra: str, program: tuple[str, ...] = ("-m", "server"),
+def start_server(model: str, *extra: str, program: tuple[str, ...] = ("-m", "tritonserve.server"),
                  eager: bool = True) -> tuple[subprocess.Popen, int]:
     """eager: with --enforce-eager (the shipped CPU default compiles the decode step first)"""
     port = free_port()
@@ -155,7 +158,7 @@ def test_a_dead_engine_ends_its_streams_and_exits_1(tiny_model):
     (("--num-blocks", "4", "--max-model-len", "256"), "does not fit the KV cache"),
 ])
 def test_bad_startup_option_exits_2_with_one_error_line(tiny_model, extra, message):
-    done = subprocess.run([sys.executable, "-m", "server", "--model", tiny_model,
+    done = subprocess.run([sys.executable, "-m", "tritonserve.server", "--model", tiny_model,
                            "--port", str(free_port()), *extra],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
@@ -164,7 +167,7 @@ def test_bad_startup_option_exits_2_with_one_error_line(tiny_model, extra, messa
 
 
 def test_missing_model_folder_exits_2(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "server", "--model", str(tmp_path / "none"),
-                           "--port", str(free_port())], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "tritonserve.server", "--model",
+                           str(tmp_path / "none"), "--port", str(free_port())], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "error: " in done.stderr

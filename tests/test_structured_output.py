@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.structured import StructuredOutput
-from server.tools import tool_plan
+from tritonserve.engine import LLM, SamplingParams
+from tritonserve.engine.structured import StructuredOutput
+from tritonserve.server.tools import tool_plan
 from tests.server_util import request, sse_payloads
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "ok", "size"],

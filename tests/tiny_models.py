@@ -99,7 +99,7 @@ def eos_variant(model_dir: str, target: Path, prompt: str) -> tuple[str, int]:
     """A copy of the model whose EOS is the token greedy decoding samples at index K >= 4
     after `prompt` (one not seen before it): greedy decoding of `prompt` then stops with EOS
     after exactly K tokens. Returns (folder, K)."""
-    from engine import LLM, SamplingParams
+    from tritonserve.engine import LLM, SamplingParams
     tokens = LLM(model_dir).generate([prompt], SamplingParams(
         temperature=0.0, max_tokens=12, ignore_eos=True))[0].token_ids
     k = next(i for i in range(4, len(tokens)) if tokens[i] not in tokens[:i])

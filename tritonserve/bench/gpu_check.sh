@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One prepared script for a CUDA machine, under 8 minutes: the kernel tests on CUDA, the
+# kernel microbenchmarks (shares of this run's measured copy bandwidth and matmul rate), then
+# the engine end to end on a Llama-3-8B-shaped dummy model in bf16 (Triton vs torch greedy
+# agreement, decode tok/s at batch 1/64/256 eager and with CUDA graphs captured per bucket,
+# transformers generate_batch). Writes the report
+# to ${OUT:-results}/gpu_check.md.
+#
+#   bash tritonserve/bench/gpu_check.sh             on a GPU machine (no install: torch, triton, pytest
+#                                       and transformers from the image; nothing is fetched)
+#   bash tritonserve/bench/gpu_check.sh --dry-run   the same sections on the CPU: tiny shapes, the Triton
+#                                       kernels interpreted (CI runs this)
+set -uo pipefail
+cd "$(dirname "$0")/../.."  # the repo root
+out=${OUT:-results}
+py=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if [ "${1:-}" = "--dry-run" ]; then
+  export TRITON_INTERPRET=1
+  where="dry run on the CPU (interpreted kernels, tiny shapes)"
+  tests=(tests/test_kernels_attention.py -k "prefill_tile_shapes or splits or dense")
+  kernel_args=(--batch 2 --context 64 --heads 4 --kv-heads 2 --head-dim 32 --dtype float32
+               --sample-batch 4 --vocab 512)
+  engine_args=(--shape tiny --dtype float32 --batches 1,4 --hf-batches 4 --input-len 16
+               --output-len 8 --agree-prompts 2 --agree-tokens 8)
+else
+  export TRITON_INTERPRET=0
+  where=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)
+  tests=(tests/test_kernels_attention.py tests/test_kernels_sampling.py
+         tests/test_kernels_fused.py tests/test_decode_graphs.py -k "not compiled")
+  kernel_args=()
+  engine_args=(--shape llama3-8b --dtype bfloat16 --batches 1,64,256 --hf-batches 64
+               --input-len 128 --output-len 64)
+fi
+echo "== kernel tests ($where)"
+timeout 240 "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 \
+  | tee "$out/kernel_tests.log" | tail -3
+echo "== kernel microbenchmarks"
+timeout 120 "$py" -m tritonserve.bench kernels "${kernel_args[@]}" --json "$out/kernels.json" 2>&1 \
+  | tee "$out/kernels.txt"
+echo "== engine"
+timeout 300 "$py" -m tritonserve.bench engine-check "${engine_args[@]}" --json "$out/engine.json" 2>&1 \
+  | tee "$out/engine.txt"
+{
+  echo "# GPU check: $where"
+  echo
+  echo "## Kernel tests"
+  echo '```'
+  tail -3 "$out/kernel_tests.log"
+  echo '```'
+  echo "## Kernel microbenchmarks"
+  echo '```'
+  cat "$out/kernels.txt"
+  echo '```'
+  echo "## Engine"
+  grep -v '^\(INFO\|WARNING\)' "$out/engine.txt" | tail -12
+} > "$out/gpu_check.md"
+cat "$out/gpu_check.md"
+grep -q "passed" "$out/kernel_tests.log" && ! grep -q "failed\|error" "$out/kernel_tests.log" \
+  && grep -q "decode_attention" "$out/kernels.txt" && grep -q "^| 1 |" "$out/engine.txt"

@@ -1,0 +1,243 @@
+"""One attention interface over the paged KV cache, with a torch and a Triton backend.
+
+The batch is flattened to tokens, decode requests (one new token) first, then prefill
+requests (a prompt, a chunk of it, or a recompute). The backend writes the new K/V into the
+cache, then reads the cache for attention, so both paths see the same data.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+import tritonserve.kernels
+
+from tritonserve.kernels import cpu_ops, reference
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, block * block_size + offset
+    num_decode_tokens: int | None  # None: every token (a dynamic compiled decode graph)
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32, context length including the new token
+    decode_max_seq_len: int  # known on the host: the kernels need no device read-back
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32
+    prefill_cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32
+    prefill_max_q_len: int
+
+
+class AttentionBackend:
+    """Paged attention over caches `[num_blocks, block_size, num_kv_heads, head_dim]`;
+    subclasses choose the kernels. Contract of the three steps (each also a registered op,
+    below): store_kv writes row t of k/v at slot_mapping[t] (-1: skipped); decode attends one
+    query per sequence to its first seq_lens[b] cached tokens; prefill attends the last
+    (cu[s+1] - cu[s]) positions of sequence s causally to its first seq_lens[s] tokens.
+    max_seq_len / max_q_len bound seq_lens / the query counts (host ints: no device read)."""
+
+    name = "base"
+    # a store that torch.compile may trace instead of calling the op, or None
+    store_kv_traced = None
+    # a decode the graph may call directly instead of the Python op (same signature as
+    # decode, less max_seq_len), or None
+    decode_traced = None
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        raise NotImplementedError
+
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_seq_len: int,
+               scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                max_q_len: int, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _call_decode_traced(self, q, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
+                            scale):
+        return self.decode_traced(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+    def rope_store(self, qkv: torch.Tensor):
+        """A fused rope + store for this qkv projection output, or None (the model then
+        rotates q and k itself and calls forward): called as fn(qkv [T, (H + 2 Hk) D], cos,
+        sin [T, 1, D], slot_mapping, k_cache, v_cache, num_heads) -> rotated q [T, H, D],
+        having written the rotated k and v at their slots; attend() then reads them."""
+        return None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]
+
+        Eager, the methods run directly (a registered op costs 8-20 us more a call, measured);
+        under torch.compile the same work goes through the tritonserve ops, which the graph
+        keeps as opaque calls."""
+        if torch.compiler.is_compiling():
+            store = (self.store_kv_traced if self.store_kv_traced is not None
+                     else functools.partial(torch.ops.tritonserve.store_kv, backend=self.name))
+        else:
+            store = self.store_kv
+        store(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """forward after its store: q [T, num_heads, head_dim] against the caches, which
+        already hold this step's K/V."""
+        if torch.compiler.is_compiling():
+            ops, name = torch.ops.tritonserve, self.name
+            decode = (functools.partial(ops.decode_attention, backend=name)
+                      if self.decode_traced is None else self._call_decode_traced)
+            prefill = functools.partial(ops.prefill_attention, backend=name)
+        else:
+            decode, prefill = self.decode, self.prefill
+        nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
+        outputs = []
+        if nd:
+            outputs.append(decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                  meta.decode_seq_lens, meta.decode_max_seq_len, scale))
+        if nd < q.shape[0]:
+            outputs.append(prefill(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+                                   meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
+                                   meta.prefill_max_q_len, scale))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+# CPU prefill chunks of up to this many query rows run as decode rows of the C++ op, each
+# over its own first position + 1 tokens (TorchAttention.prefill), instead of a gather and
+# SDPA per sequence. SmolLM2, ~4,000 prompt tokens a run, bf16 / fp32 (tenth session): 64
+# prompts of 64 tokens 1.265 -> 1.124 s / 3.88 -> 3.87 s, 8 of 512 1.79 -> 1.39 s / 4.02 ->
+# 3.92, 2 of 2,000 3.50 -> 2.50 s / 6.32 -> 6.11; longer chunks are unmeasured, so SDPA.
+PREFILL_AS_DECODE_MAX = 2048
+
+MAX_BUCKETS = 4  # 1: 306 ms, 4: 228 ms, 8: 240 ms per batch-64 SmolLM2 step, 50-400 tokens
+
+
+def bucketed_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """The torch decode path pads every sequence to the longest in its call, so a batch of
+    mixed lengths is sorted by length and attended in up to 4 equal-count buckets: with
+    lengths spread over 50-400 this reads a third less padding (measured on SmolLM2)."""
+    num_buckets = min(MAX_BUCKETS, q.shape[0] // 8)
+    if num_buckets <= 1:
+        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                                scale)
+    out = torch.empty_like(q)
+    for rows in torch.argsort(seq_lens).tensor_split(num_buckets):
+        out.index_copy_(0, rows, reference.paged_decode_attention(
+            q[rows], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale))
+    return out
+
+
+class TorchAttention(AttentionBackend):
+    """Plain torch, except decode on the CPU: the C++ op that reads the cache in place
+    (kernels/cpu_ops.py) when it could be built, 2-3x faster than gathering (docs/benchmarks.md)."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu_decode = cpu_ops.paged_decode_attention() if device.type == "cpu" else None
+        # compiled: the graph calls the C++ op itself (a registered op with a fake), not the
+        # Python tritonserve::decode_attention around it: 83 instead of 147 us a call
+        # (batch 1, SmolLM2), 2 ms of a 44 ms step
+        self.decode_traced = self.cpu_decode
+        self.cpu_rope_store = cpu_ops.rope_store_kv() if device.type == "cpu" else None
+
+    def rope_store(self, qkv):
+        """bf16 / fp16 on the CPU: the C++ op (fp32 math rounded once, as rotary_embedding);
+        fp32 keeps torch's op-by-op rope, which the greedy parity with transformers is
+        token-identical to."""
+        if self.cpu_rope_store is None or qkv.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        return self.cpu_rope_store
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        reference.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    @staticmethod
+    def store_kv_traced(k, v, k_cache, v_cache, slot_mapping) -> None:
+        """The compiled decode's store: its padding rows write the null block, never slot -1,
+        so the host check goes and the scatter is traced into the graph. Through the op it cost
+        0.26 ms a call (batch 1, 60 calls a step); traced, the compiled batch-1 SmolLM2 step
+        went from 89.8 to 78.7 ms."""
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale):
+        if self.cpu_decode is not None:
+            return self.cpu_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return bucketed_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+    def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len,
+                scale):
+        if self.cpu_decode is not None and max_q_len <= PREFILL_AS_DECODE_MAX:
+            # every query row a decode row over its first position + 1 tokens, read in place
+            q_lens = cu_seqlens_q.diff().long()  # [S]
+            seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
+            offset = torch.arange(q.shape[0]) - cu_seqlens_q[:-1].long()[seq_of_row]
+            lens = seq_lens.long()[seq_of_row] - q_lens[seq_of_row] + offset + 1  # [T]
+            return self.cpu_decode(q, k_cache, v_cache, block_tables[seq_of_row],
+                                   lens.to(torch.int32), scale, cached=True)
+        return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
+                                                 cu_seqlens_q, seq_lens, scale)
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        kernels.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale):
+        return kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                              scale, max_seq_len=max_seq_len)
+
+    def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len,
+                scale):
+        return kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                               seq_lens, scale, max_q_len=max_q_len)
+
+
+def make_attention_backend(use_triton: bool, device: torch.device) -> AttentionBackend:
+    return TritonAttention() if use_triton else TorchAttention(device)
+
+
+# ---- the registered ops: what a compiled graph calls (AttentionBackend.forward) -----------
+@functools.cache
+def _backend(name: str, device_type: str) -> AttentionBackend:
+    return make_attention_backend(name == "triton", torch.device(device_type))
+
+
+@torch.library.custom_op("tritonserve::store_kv", mutates_args=("k_cache", "v_cache"))
+def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, backend: str) -> None:
+    _backend(backend, k.device.type).store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+@torch.library.custom_op("tritonserve::decode_attention", mutates_args=())
+def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+               scale: float, backend: str) -> torch.Tensor:
+    return _backend(backend, q.device.type).decode(q, k_cache, v_cache, block_tables, seq_lens,
+                                                   max_seq_len, scale)
+
+
+@_decode_op.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, backend):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("tritonserve::prefill_attention", mutates_args=())
+def _prefill_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                max_q_len: int, scale: float, backend: str) -> torch.Tensor:
+    return _backend(backend, q.device.type).prefill(q, k_cache, v_cache, block_tables,
+                                                    cu_seqlens_q, seq_lens, max_q_len, scale)
+
+
+@_prefill_op.register_fake
+def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len, scale, backend):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -1,0 +1,284 @@
+"""LLMEngine: add_request / step / abort. Each step yields one GenerationStep per request that
+something happened to, so EOS, stop and max-tokens termination can never look alike.
+
+Failure isolation: an exception while turning one request's sample into output fails that
+request alone (a GenerationStep with FinishReason.ERROR); a failed forward pass fails the
+requests of that batch and the next step goes on. Only a device fault, MAX_FAILED_STEPS failed
+forwards in a row, or broken bookkeeping raise EngineDeadError, which carries the steps already
+produced so that no finished request is lost.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from .config import EngineConfig
+from .default_model import default_model_path
+from .detokenizer import IncrementalDetokenizer, StopCheck, StopStringMatcher
+from .dtype import resolve_dtype
+from .errors import EngineDeadError, InvalidRequestError
+from .kv_cache import KVCacheManager
+from .memory import (num_cache_blocks, profiled_cache_blocks, profiles_cache,
+                     resolve_max_model_len)
+from .model_runner import ModelRunner
+from .models import ModelArch
+from .outputs import (Completion, FinishReason, GenerationStep, RequestTiming, TokenOutput)
+from .request import Request
+from .sampler import SampledToken
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .structured import Grammars
+
+log = logging.getLogger("tritonserve.engine")
+
+MAX_FAILED_STEPS = 3  # forward passes failing in a row before the engine declares itself dead
+PROMPT_DETOKENIZE_CONTEXT = 5  # prompt tokens the detokenizer sees before the output (as vLLM)
+
+
+class LLMEngine:
+    """Single-threaded: call it from one thread (server/async_engine.py hosts it)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.model_path = Path(config.model) if config.model else default_model_path()
+        self.arch = ModelArch.from_folder(self.model_path)
+        config = dataclasses.replace(config, dtype=resolve_dtype(
+            config.dtype, self.arch.torch_dtype, config.device))
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        # the CPU's cache is sized before the weights take memory, CUDA's after (profiled)
+        num_blocks = None if profiles_cache(config) else num_cache_blocks(config, self.arch)
+        max_positions = config.scheduler.max_model_len or self.arch.max_position_embeddings
+        self.runner = ModelRunner(config, self.arch, self.model_path, max_positions)
+        if num_blocks is None:
+            peak = self.runner.profile_peak_bytes(max_positions)
+            num_blocks = profiled_cache_blocks(config, self.arch, peak)
+        self.max_model_len = resolve_max_model_len(config, self.arch, num_blocks)
+        self.runner.allocate(num_blocks, self.max_model_len)
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
+                                       config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        eos = set(self.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, Request] = {}
+        self._pending_aborts: list[str] = []
+        self._ids = itertools.count()
+        self._failed_steps = 0  # forward passes failed in a row
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Built on the first structured request (it reads the whole vocabulary once)."""
+        return Grammars(self.tokenizer, self.arch.vocab_size, sorted(self.eos_token_ids))
+
+    # ---- public API ----------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.model_path.name
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Raise InvalidRequestError for a request that could never run; return its
+        parameters checked against the vocabulary (SamplingParams.for_vocab)."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:  # before any per-token work
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_token_ids)} tokens leave no room for output within "
+                f"max_model_len {self.max_model_len}")
+        vocab = self.arch.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= vocab
+               for t in prompt_token_ids):
+            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
+        params = params.for_vocab(vocab)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # a bad grammar names its field
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
+        # No KV-block check here: max_model_len fits the cache (resolve_max_model_len), so a
+        # request is admitted by what it needs now, and a full cache preempts (scheduler.py).
+        return params
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    prefill_after: str | None = None) -> str:
+        """prefill_after: the id of a request with the same prompt (a sibling choice of n);
+        this one is scheduled once that one's prompt is computed, and then finds the prompt's
+        full blocks in the prefix cache instead of computing them again."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenize(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        params = self.validate(token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        request = Request(
+            request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.perf_counter(),
+            eos_token_ids=self.eos_token_ids,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens,
+                token_ids[-PROMPT_DETOKENIZE_CONTEXT:]),
+            stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
+            prefill_after=self._requests.get(prefill_after) if prefill_after else None,
+            matcher=(self.grammars.matcher(params.structured)
+                     if params.structured is not None else None))
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Queued; applied at the start of the next step, which reports it as `abort`."""
+        self._pending_aborts.append(request_id)
+
+    def abort_all(self) -> list[GenerationStep]:
+        """End every request now (after an engine failure); returns their abort steps."""
+        self._pending_aborts.extend(self._requests)
+        return self._apply_aborts()
+
+    def step(self) -> list[GenerationStep]:
+        """One forward pass. Never raises for one request's fault (see the module docstring);
+        raises EngineDeadError when the engine cannot go on."""
+        steps: list[GenerationStep] = []
+        try:
+            self._step(steps)
+        except EngineDeadError as exc:
+            exc.steps[:0] = steps
+            raise
+        except Exception as exc:  # noqa: BLE001 - the scheduler or cache state is broken
+            log.exception("engine bookkeeping failed")
+            raise EngineDeadError(f"engine state is broken: {type(exc).__name__}: {exc}",
+                                  steps) from exc
+        return steps
+
+    # ---- internals -----------------------------------------------------------------------
+    def _step(self, steps: list[GenerationStep]) -> None:
+        steps.extend(self._apply_aborts())
+        schedule = self.scheduler.schedule()
+        if schedule.empty:
+            return
+        try:
+            sampled = self.runner.execute(schedule)
+        except Exception as exc:  # noqa: BLE001 - fail this batch, or the engine
+            self._failed_steps += 1
+            log.exception("forward pass failed (%d in a row)", self._failed_steps)
+            message = f"{type(exc).__name__}: {exc}"
+            if self.runner.is_device_fatal(exc) or self._failed_steps >= MAX_FAILED_STEPS:
+                raise EngineDeadError(message) from exc
+            steps.extend(self._fail(s.request, message) for s in schedule.scheduled)
+            return
+        self._failed_steps = 0
+        now = time.perf_counter()
+        for s in schedule.scheduled:
+            request = s.request
+            try:
+                request.num_computed_tokens += s.num_new_tokens
+                self.kv_cache.cache_full_blocks(request)
+                token = sampled.get(request.request_id)
+                if token is not None:
+                    steps.append(self._on_token(request, token, now))
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                log.exception("output processing failed for %s", request.request_id)
+                if request.request_id in self._requests:
+                    steps.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
+
+    def _apply_aborts(self) -> list[GenerationStep]:
+        steps = []
+        pending, self._pending_aborts = self._pending_aborts, []
+        for request_id in pending:
+            request = self._requests.get(request_id)
+            if request is not None:
+                steps.append(self._finish(request, FinishReason.ABORT, time.perf_counter()))
+        return steps
+
+    def _on_token(self, request: Request, sampled: SampledToken, now: float) -> GenerationStep:
+        params = request.params
+        if request.first_token_time is None:
+            request.first_token_time = now
+        token_id = sampled.token_id
+        if request.matcher is not None:
+            if not request.matcher.accept_token(token_id):
+                raise RuntimeError(f"the grammar refused token {token_id}")
+            if request.matcher.is_terminated():  # the grammar is complete: EOS came
+                drained = self._drain(request)
+                eos = token_id in request.eos_token_ids
+                reason = FinishReason.EOS if eos else FinishReason.STOP
+                return self._finish(request, reason, now, None, drained.text)
+        if token_id in params.stop_token_ids:
+            drained = self._drain(request)
+            return self._finish(request, FinishReason.STOP, now, token_id, drained.text)
+        if token_id in request.eos_token_ids and not params.ignore_eos:
+            drained = self._drain(request)
+            reason = FinishReason.STOP if drained.matched else FinishReason.EOS
+            return self._finish(request, reason, now, drained.matched, drained.text)
+
+        request.token_ids.append(token_id)
+        # stop strings count from the min_tokens-th token on, as EOS does (vLLM's rule)
+        check = request.stop_matcher.feed(request.detokenizer.add_token(token_id),
+                                          match=request.num_output_tokens >= params.min_tokens)
+        text, reason, matched = check.text, None, check.matched
+        if matched is not None:
+            reason = FinishReason.STOP
+        elif (request.num_output_tokens >= params.max_tokens
+              or request.num_tokens >= self.max_model_len):
+            drained = self._drain(request)
+            text += drained.text
+            reason = FinishReason.STOP if drained.matched else FinishReason.LENGTH
+            matched = drained.matched
+        token = TokenOutput(token_id, request.num_output_tokens - 1, text, sampled.logprob,
+                            sampled.top_logprobs)
+        if reason is None:
+            return GenerationStep(request.request_id, token, None)
+        step = self._finish(request, reason, now, matched=matched)
+        return GenerationStep(request.request_id, token, step.completion)
+
+    @staticmethod
+    def _drain(request: Request) -> StopCheck:
+        """Release the text held back at the end: incomplete UTF-8 and a partial stop string
+        (unless the released text completes a stop string)."""
+        held = request.stop_matcher.feed(request.detokenizer.flush())
+        if held.matched:
+            return held
+        return StopCheck(held.text + request.stop_matcher.flush(), None)
+
+    def _fail(self, request: Request, message: str) -> GenerationStep:
+        return self._finish(request, FinishReason.ERROR, time.perf_counter(), error=message)
+
+    def _finish(self, request: Request, reason: FinishReason, now: float,
+                matched: str | int | None = None, tail: str = "",
+                error: str | None = None) -> GenerationStep:
+        self.scheduler.remove(request)
+        del self._requests[request.request_id]
+        self.runner.release(request.request_id)
+        timing = RequestTiming(
+            arrival=request.arrival_time,
+            first_scheduled=request.first_scheduled_time or now,
+            first_token=request.first_token_time or now,
+            finish=now)
+        completion = Completion(reason, request.num_prompt_tokens, request.num_output_tokens,
+                                timing, tail, matched, error)
+        return GenerationStep(request.request_id, None, completion)

@@ -1,0 +1,247 @@
+"""Turns a SchedulerOutput into one forward pass over a flattened token batch, and samples."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.profiler import record_function
+
+from tritonserve.kernels import cpu_ops
+
+from .attention import AttentionMetadata, make_attention_backend
+from .config import LAYERS_FALLBACK, EngineConfig
+from .cpu_allocator import keep_buffers_on_heap
+from .decode_graphs import DecodeGraphs, bucket_sizes
+from .memory import check_cache_fits_memory
+from .models import ForwardContext, ModelArch, build_model
+from .request import Request
+from .sampler import SampledToken, Sampler
+from .scheduler import ScheduledRequest, SchedulerOutput
+
+log = logging.getLogger("tritonserve.engine")
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [S] rows of the hidden states whose logits are sampled
+    sample_requests: list[Request]  # [S]
+
+
+class ModelRunner:
+    """Built in two stages, so that the cache can be sized from what is left once the weights
+    are loaded (CUDA): __init__ loads the model; allocate() makes the KV cache and sampler."""
+
+    def __init__(self, config: EngineConfig, arch: ModelArch, folder: Path | None,
+                 max_positions: int) -> None:
+        """max_positions: the longest max_model_len this engine may resolve (RoPE table)."""
+        self.config = config
+        self.arch = arch
+        self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_buffers_on_heap()
+        self.block_size = config.cache.block_size
+        self.model = build_model(arch, folder, config.torch_dtype, self.device, max_positions,
+                                 dummy=config.load_format == "dummy", seed=config.seed)
+        self.decode_mode = config.resolved_decode_mode
+        if self.device.type == "cpu":  # a compiled graph can call the panels, not oneDNN's
+            self.model.prepack_weights(batch_hint=config.scheduler.max_num_seqs,
+                                       traceable=self.decode_mode.startswith("compile")
+                                       or self.decode_mode == "layers")
+        # decode_mode layers: every decode-only step through the one C++ op of the stack
+        self.decode_layers = None
+        if self.decode_mode == "layers":
+            self.decode_layers = self.model.decode_layers(self.block_size)
+            if self.decode_layers is None:
+                why = (f"{arch.architecture} in {config.dtype} (head size {arch.head_dim}, "
+                       f"{arch.num_heads // arch.num_kv_heads} query heads a KV head, block "
+                       f"size {self.block_size}, q/k norms {arch.qk_norm})")
+                if config.decode_mode != "auto":
+                    raise ValueError(f"decode_mode 'layers' does not take {why}: it needs "
+                                     f"float32, or bfloat16 on a CPU with AVX512-BF16 with "
+                                     f"head size 64 or 128, at most 8 query heads a KV head "
+                                     f"and a block size that is a multiple of 16; and no q/k "
+                                     f"norms")
+                log.info("decode_mode layers does not take %s: %s", why, LAYERS_FALLBACK)
+                self.decode_mode = LAYERS_FALLBACK
+        self.backend = make_attention_backend(config.use_triton("attention"), self.device)
+        self.num_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: DecodeGraphs | None = None
+
+    def kernels_in_use(self) -> str:
+        """One phrase for the start-up line: which kernels this runner's steps call."""
+        if self.config.use_triton("attention"):
+            return "Triton kernels"
+        if self.device.type == "cpu":
+            return f"C++ CPU ops, {cpu_ops.describe()}" if cpu_ops.load() else "torch kernels"
+        return "torch kernels"
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self, max_model_len: int) -> int:
+        """Device memory one largest step takes beyond the weights (CUDA): a forward over
+        max_num_batched_tokens prompt tokens (sequences of up to max_model_len) against a
+        one-block cache, then the logits of max_num_seqs rows. vLLM sizes its cache the same
+        way. Every slot is -1 (nothing written) and every block table row reads block 0."""
+        sched = self.config.scheduler
+        tokens = max(1, sched.max_num_batched_tokens)
+        lengths = [min(max_model_len, tokens - start) for start in range(0, tokens, max_model_len)]
+        shape = (1, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device))
+                  for _ in range(self.arch.num_layers)]
+        width = -(-max(lengths) // self.block_size)
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=self.device),
+            num_decode_tokens=0,
+            decode_block_tables=torch.zeros(0, 0, dtype=torch.int32, device=self.device),
+            decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=self.device),
+            decode_max_seq_len=0,
+            prefill_block_tables=torch.zeros(len(lengths), width, dtype=torch.int32,
+                                             device=self.device),
+            prefill_seq_lens=self._tensor(lengths, torch.int32),
+            prefill_cu_seqlens_q=self._tensor(cu, torch.int32),
+            prefill_max_q_len=max(lengths))
+        positions = self._tensor([p for n in lengths for p in range(n)], torch.int64)
+        input_ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        hidden = self.model(input_ids, positions, ForwardContext(meta, caches, self.backend))
+        rows = hidden[:1].expand(min(sched.max_num_seqs, tokens), -1)
+        logits = self.model.compute_logits(rows)  # [S, V]
+        torch.softmax(logits.float(), dim=-1)  # the sampler's working copy
+        del hidden, logits, caches
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        torch.cuda.empty_cache()
+        return peak
+
+    def allocate(self, num_blocks: int, max_model_len: int) -> None:
+        """The KV cache (num_blocks for requests, from engine/memory.py, plus the null block
+        that padding rows of a bucketed decode step write to), the sampler, and the decode
+        graphs of the decode mode."""
+        config, arch = self.config, self.arch
+        self.num_blocks = num_blocks
+        if self.device.type == "cpu":
+            check_cache_fits_memory(self.num_blocks, config, arch)
+        shape = (self.num_blocks + 1, self.block_size, arch.num_kv_heads, arch.head_dim)
+        # No kernel reads a slot past a sequence's length (the kernel tests poison those slots
+        # with NaN), so the contents need no initialising. On the CPU the pages are touched once
+        # here all the same: otherwise first-touch page faults land inside the decode steps.
+        allocate = torch.zeros if self.device.type == "cpu" else torch.empty
+        try:
+            self.kv_caches = [(allocate(shape, dtype=config.torch_dtype, device=self.device),
+                               allocate(shape, dtype=config.torch_dtype, device=self.device))
+                              for _ in range(arch.num_layers)]
+        except torch.OutOfMemoryError:
+            self.kv_caches = []
+            need = self.num_blocks * self.block_size * arch.kv_bytes_per_token(config.torch_dtype)
+            raise ValueError(f"the KV cache ({need / 2**30:.2f} GiB, {self.num_blocks} blocks) "
+                             f"does not fit in {self.device} memory next to the weights; lower "
+                             f"cache_bytes / num_blocks") from None
+        self.sampler = Sampler(config.use_triton("sampler"), arch.vocab_size, config.seed,
+                               max_model_len, self.device)
+        if self.decode_mode not in ("eager", "layers"):
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend,
+                                       null_block=self.num_blocks, block_size=self.block_size,
+                                       sizes=list(config.decode_buckets) or bucket_sizes(
+                                           config.scheduler.max_num_seqs),
+                                       max_model_len=max_model_len, mode=self.decode_mode)
+
+    def release(self, request_id: str) -> None:
+        """The request has ended: drop what the runner keeps for it (sampling rows)."""
+        self.sampler.release(request_id)
+
+    @staticmethod
+    def is_device_fatal(exc: BaseException) -> bool:
+        """A fault after which the device cannot be trusted (a CUDA error or device-side
+        assert poisons the context): the engine must die and be restarted."""
+        accelerator_error = getattr(torch, "AcceleratorError", ())
+        text = str(exc)
+        return (isinstance(exc, accelerator_error) or "CUDA error" in text
+                or "device-side assert" in text)
+
+    @torch.inference_mode()
+    def execute(self, schedule: SchedulerOutput) -> dict[str, SampledToken]:
+        # the record_function ranges name the phases in `bench profile` (no cost otherwise)
+        with record_function("prepare"):
+            model_input = self.prepare(schedule.scheduled)
+        ctx = ForwardContext(model_input.meta, self.kv_caches, self.backend)
+        masks = self.sampler.start_masks(model_input.sample_requests)  # overlaps the forward
+        with record_function("forward"):
+            hidden = self._forward(model_input, ctx)
+        if not model_input.sample_requests:
+            return {}
+        with record_function("logits"):
+            logits = self.model.compute_logits(hidden[model_input.sample_indices])  # [S, V]
+        with record_function("sampler"):
+            sampled = self.sampler(logits, model_input.sample_requests, masks)
+        return {r.request_id: s for r, s in zip(model_input.sample_requests, sampled)}
+
+    def _forward(self, model_input: ModelInput, ctx: ForwardContext) -> torch.Tensor:
+        """hidden [T, hidden]: a decode-only step the graphs hold runs on them."""
+        n = model_input.input_ids.shape[0]
+        if self.decode_layers is not None and model_input.meta.num_decode_tokens == n:
+            return self.decode_layers(model_input.input_ids, model_input.positions, ctx)
+        if (self.graphs is not None and model_input.meta.num_decode_tokens == n
+                and n <= self.graphs.max_batch):
+            return self.graphs.run(model_input.input_ids, model_input.positions, model_input.meta)
+        return self.model(model_input.input_ids, model_input.positions, ctx)
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInput:
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens != 1]
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_indices: list[int] = []
+        sample_requests: list[Request] = []
+        for s in decodes + prefills:
+            r = s.request
+            end = s.start + s.num_new_tokens
+            input_ids.extend(r.token_ids[s.start:end])
+            positions.extend(range(s.start, end))
+            blocks = r.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(s.start, end))
+            if s.samples:
+                sample_indices.append(len(input_ids) - 1)
+                sample_requests.append(r)
+        cu = [0]
+        for s in prefills:
+            cu.append(cu[-1] + s.num_new_tokens)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=self._block_table(decodes),
+            decode_seq_lens=self._tensor([s.start + 1 for s in decodes], torch.int32),
+            decode_max_seq_len=max((s.start + 1 for s in decodes), default=0),
+            prefill_block_tables=self._block_table(prefills),
+            prefill_seq_lens=self._tensor([s.start + s.num_new_tokens for s in prefills],
+                                          torch.int32),
+            prefill_cu_seqlens_q=self._tensor(cu, torch.int32),
+            prefill_max_q_len=max((s.num_new_tokens for s in prefills), default=0),
+        )
+        return ModelInput(self._tensor(input_ids, torch.int64),
+                          self._tensor(positions, torch.int64), meta,
+                          self._tensor(sample_indices, torch.int64), sample_requests)
+
+    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _block_table(self, group: list[ScheduledRequest]) -> torch.Tensor:
+        """[len(group), max blocks] int32, padded with block 0 (never read past seq_len)."""
+        width = max((len(s.request.block_ids) for s in group), default=0)
+        rows = [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in group]
+        return self._tensor(rows, torch.int32).view(len(group), width)

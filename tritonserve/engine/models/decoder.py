@@ -1,0 +1,280 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened token batch.
+
+Projections are fused: one qkv matmul and one gate/up matmul per layer. Differences between
+the families are flags on ModelArch: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied
+embeddings, rope scaling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tritonserve.kernels
+
+from tritonserve.kernels import cpu_ops
+
+from ..attention import AttentionBackend, AttentionMetadata
+from .arch import ModelArch, rope_inv_freq
+from .linear import (Linear, can_fuse_silu, linear, linear_silu_mul, pack_silu_gate_up,
+                     pack_weight)
+
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim] for a step's positions
+
+
+@dataclass
+class ForwardContext:
+    meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k_cache, v_cache
+    backend: AttentionBackend
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm (fp32 statistics, weight applied in the input dtype), with
+    torch's fused rms_norm: 3 dispatched ops instead of 7."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, hidden] -> (rms_norm(residual + x) * weight, residual + x), in place
+    (x and residual are a layer's fresh outputs) by one fused op: the C++ op on the CPU, the
+    Triton kernel on CUDA. Under torch.compile, plain torch: Inductor fuses it itself."""
+    fused = None
+    if not torch.compiler.is_compiling() and x.dtype == weight.dtype and x.is_contiguous() \
+            and residual.is_contiguous():
+        if x.device.type == "cpu":
+            ops = cpu_ops.fused_ops()
+            fused = ops[0] if ops is not None else None
+        elif x.device.type == "cuda":
+            fused = kernels.add_rms_norm
+    if fused is None:
+        residual = residual + x
+        return _rms_norm(residual, weight, eps), residual
+    fused(x, residual, weight, eps)
+    return x, residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:], one op (C++ on the CPU, Triton on CUDA)."""
+    if not torch.compiler.is_compiling():
+        if x.device.type == "cpu" and (ops := cpu_ops.fused_ops()) is not None:
+            return ops[1](x)
+        if x.device.type == "cuda":
+            return kernels.silu_and_mul(x)
+    return kernels.reference.silu_and_mul(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x -> normed x; with a residual: (normed residual + x, residual + x), fused."""
+        if residual is None:
+            return _rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) rope with a precomputed cos/sin table."""
+
+    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(arch)  # [head_dim/2]
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """Once a step, not once a layer: positions [T] -> cos, sin [T, 1, head_dim]."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def apply(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated by its positions' tables. Eager bf16 / fp16 on the
+        CPU: one C++ pass (the eager prefill's rope ~50 -> 17 ms of a 64 x 64 prefill),
+        rounded once as the compiled step's fused kernel is; fp32 keeps torch's ops, which
+        the greedy parity with transformers is token-identical to."""
+        cos, sin = tables
+        if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+                and not torch.compiler.is_compiling() and x.stride(-1) == 1
+                and (rotate := cpu_ops.rotary_embedding()) is not None):
+            return rotate(x, cos, sin)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=arch.qkv_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
+        self.qk_norm = arch.qk_norm
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+
+    def forward(self, rope: RopeTables, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        fused = None if self.qk_norm else ctx.backend.rope_store(qkv)
+        if fused is not None:  # rope, the split and the cache write in one op
+            q = fused(qkv, *rope, ctx.meta.slot_mapping, k_cache, v_cache, self.num_heads)
+            out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)
+            return self.o_proj(out.reshape(-1, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = RotaryEmbedding.apply(q, rope), RotaryEmbedding.apply(k, rope)
+        out = ctx.backend.forward(q, k, v.contiguous(), k_cache, v_cache, ctx.meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.silu_in_matmul = False  # gate/up packed for linear_silu_mul (fuse_silu)
+
+    def fuse_silu(self) -> None:
+        """CPU bf16 inference: gate/up repacked so that its matmul applies silu(gate) * up in
+        the epilogue (`linear_silu_mul`): one op instead of two, and no [T, 2I] activation;
+        a no-op where the epilogue does not apply."""
+        weight = self.gate_up_proj.weight
+        if self.silu_in_matmul or not can_fuse_silu(weight):
+            return
+        self.gate_up_proj.weight = nn.Parameter(pack_silu_gate_up(weight), requires_grad=False)
+        self.silu_in_matmul = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu_in_matmul:
+            return self.down_proj(linear_silu_mul(x, self.gate_up_proj.weight))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch, layer_index)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output, residual: the stream before it (None for the
+        first layer, whose x is the embedding) -> this layer's (MLP output, residual)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rope = RotaryEmbedding(arch, max_positions)
+        if not arch.tie_word_embeddings:
+            self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.packed_tied_lm_head: torch.Tensor | None = None  # set by prepack_weights
+
+    def prepack_weights(self, batch_hint: int, traceable: bool = False) -> None:
+        """CPU inference: every projection weight in its packed form (`linear.pack_weight`:
+        C++ panels for fp32 and bf16, else oneDNN's blocked layout; bf16 gate/up with the
+        activation in the matmul, `MLP.fuse_silu`) in place of the plain one. A
+        tied lm_head gets a packed copy of the embedding table, which stays plain for the
+        lookup. traceable: only forms torch.compile traces (the panels)."""
+        for module in self.modules():  # an MLP comes before its Linears
+            if isinstance(module, MLP):
+                module.fuse_silu()
+            elif isinstance(module, Linear):
+                module.pack(batch_hint, traceable)
+        if self.arch.tie_word_embeddings:
+            self.packed_tied_lm_head = pack_weight(self.embed_tokens.weight, batch_hint,
+                                                   traceable)
+
+    def decode_layers(self, block_size: int):
+        """The C++ op that runs this model's whole layer stack for a decode step
+        (kernels/cpu/decode_layers.cpp) with its weights, as a function of (input_ids,
+        positions, ctx) -> hidden [T, hidden]; None where it does not apply: not on the CPU
+        in bf16 (every projection in the bf16 panels, gate/up with its activation) or fp32
+        (the fp32 panels), q/k norms (Qwen3), or no instance for the head shapes."""
+        arch = self.arch
+        dtype = self.embed_tokens.weight.dtype
+        op = cpu_ops.decode_layers(dtype, arch.head_dim, arch.num_heads // arch.num_kv_heads,
+                                   block_size)
+        mlps = [layer.mlp for layer in self.layers]
+        linears = [m for layer in self.layers for m in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)]
+        packed = {torch.bfloat16: 4, torch.float32: 3}.get(dtype)  # panels' dims
+        if (op is None or arch.qk_norm or packed is None
+                or any(m.silu_in_matmul != (dtype == torch.bfloat16) for m in mlps)
+                or not all(lin.weight.dim() == packed for lin in linears)):
+            return None
+        norms = [n.weight for layer in self.layers
+                 for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        panels = [lin.weight for lin in linears]
+        biases = [layer.self_attn.qkv_proj.bias for layer in self.layers] if arch.qkv_bias \
+            else []
+        head_scale = arch.head_dim ** -0.5
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor,
+                    ctx: ForwardContext) -> torch.Tensor:
+            x = self.embed_tokens(input_ids)  # [T, hidden]
+            cos, sin = self.rope.lookup(positions, x.dtype)
+            meta = ctx.meta
+            x, residual = op(x, norms, panels, biases, cos, sin, meta.slot_mapping,
+                             [k for k, _ in ctx.kv_caches], [v for _, v in ctx.kv_caches],
+                             meta.decode_block_tables, meta.decode_seq_lens, arch.num_heads,
+                             arch.rms_norm_eps, head_scale)
+            return self.norm(x, residual)[0]
+
+        return forward
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]"""
+        x = self.embed_tokens(input_ids)
+        rope = self.rope.lookup(positions, x.dtype)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(rope, x, residual, ctx)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab]"""
+        if not self.arch.tie_word_embeddings:
+            return self.lm_head(hidden)
+        if self.packed_tied_lm_head is not None:
+            return linear(hidden, self.packed_tied_lm_head, out_features=self.arch.vocab_size)
+        return linear(hidden, self.embed_tokens.weight)

@@ -1,0 +1,124 @@
+"""Compile every kernel ahead of time for an NVIDIA target, with no GPU present.
+
+python -m tritonserve.kernels.compile_check [--arch 90]
+
+Triton ships ptxas, so TTIR -> PTX -> cubin runs on any machine: this catches what the
+interpreter cannot (dot shape limits, dtype rules, unsupported ops in compiled code). It
+needs TRITON_INTERPRET unset or 0 when the kernels are imported (it sets that itself).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from .decode_attention import MAX_SPLITS, _decode_kernel, _merge_splits_kernel  # noqa: E402
+from .kv_cache_write import _store_kv_kernel  # noqa: E402
+from .prefill_attention import _prefill_kernel, tuning_space  # noqa: E402
+from .sampling import _BISECTION_STEPS, _ONE_BITS_PLUS_ONE, _sample_kernel  # noqa: E402
+
+I32_ARGS = ("stride_qs", "stride_qh", "stride_bts", "stride_cb", "stride_ct", "stride_ch",
+            "stride_os", "stride_oh", "stride_qt", "stride_ot", "stride_kt", "stride_vt",
+            "stride", "B", "V")
+
+
+def _signature(fn, pointers: dict[str, str], scalars: dict[str, str],
+               constexprs: dict) -> dict[str, str]:
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+        elif name in scalars:
+            signature[name] = scalars[name]
+        elif name in I32_ARGS:
+            signature[name] = "i32"
+        else:
+            raise KeyError(f"{fn.__name__}: no type for argument {name}")
+    return signature
+
+
+def variants():
+    """(label, kernel, pointer types, scalar types, constexprs, options): every decode shape,
+    every prefill autotuning config (tuning_space) and the sampler."""
+    for dtype, fp32, precision in (("bf16", False, "tf32"), ("fp16", False, "tf32"),
+                                   ("fp32", True, "ieee")):
+        cache = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}",
+                 "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": f"*{dtype}",
+                 "cu_seqlens_q_ptr": "*i32", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32",
+                 "part_sum_ptr": "*fp32"}
+        for splits, head_dim, group, block in ((1, 128, 4, 16), (4, 128, 8, 32),
+                                               (2, 96, 1, 16), (1, 64, 4, 32),
+                                               (MAX_SPLITS, 128, 4, 16)):
+            yield (f"decode {dtype} d{head_dim} g{group} bs{block} splits{splits}",
+                   _decode_kernel, cache, {"scale": "fp32"},
+                   dict(NUM_KV_HEADS=8, GROUP=group, HEAD_DIM=head_dim,
+                        BLOCK_G=max(16, triton.next_power_of_2(group)),
+                        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block,
+                        TILE_N=max(block, 32 if fp32 else 64), NUM_SPLITS=splits, FP32=fp32,
+                        PRECISION=precision), {})
+        # every tuned config in bf16; fp16 is the same code with another element type, so one
+        # config there (each 128-row variant costs ptxas 4-8 s: CI time)
+        space = tuning_space(fp32) if dtype != "fp16" else tuning_space(fp32)[:1]
+        prefill_shapes = [(4, 128, 16, config) for config in space]
+        prefill_shapes += [(1, 64, 32, space[0]), (3, 96, 16, space[0]), (8, 128, 16, space[-1])]
+        for group, head_dim, block, (rows, keys, warps, stages) in prefill_shapes:
+            yield (f"prefill {dtype} g{group} d{head_dim} bs{block} m{rows} n{keys} "
+                   f"w{warps} s{stages}", _prefill_kernel, cache, {"scale": "fp32"},
+                   dict(GROUP=group, HEAD_DIM=head_dim,
+                        BLOCK_G=triton.next_power_of_2(group),
+                        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block,
+                        FP32=fp32, PRECISION=precision, BLOCK_M=rows, TILE_N=keys),
+                   {"num_warps": warps, "num_stages": stages})
+        for splits in (4, MAX_SPLITS):
+            yield (f"merge splits{splits} -> {dtype}", _merge_splits_kernel, cache, {},
+                   dict(NUM_HEADS=32, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=splits), {})
+        yield (f"store_kv_cache {dtype}", _store_kv_kernel,
+               {"k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}",
+                "v_cache_ptr": f"*{dtype}", "slot_ptr": "*i64"}, {},
+               dict(ROW=1024, BLOCK=1024), {})
+    for rows, block_v in ((1, 4096), (16, 1024)):
+        yield (f"sample rows{rows} chunk{block_v}", _sample_kernel,
+               {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "top_k_ptr": "*i32",
+                "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "seed_ptr": "*i64",
+                "out_ptr": "*i64"}, {},
+               dict(BLOCK_R=rows, BLOCK_V=block_v, STEPS=_BISECTION_STEPS,
+                    ONE_PLUS=_ONE_BITS_PLUS_ONE), {})
+
+
+def compile_all(arch: int = 90, warp_size: int = 32,
+                report=lambda label, seconds: None) -> list[tuple[str, float]]:
+    target = GPUTarget("cuda", arch, warp_size)
+    done = []
+    for label, fn, pointers, scalars, constexprs, options in variants():
+        start = time.perf_counter()
+        source = triton.compiler.ASTSource(
+            fn=fn, signature=_signature(fn, pointers, scalars, constexprs),
+            constexprs=constexprs)
+        compiled = triton.compile(source, target=target, options=options)
+        if not compiled.asm.get("cubin"):
+            raise RuntimeError(f"{label}: no cubin produced")
+        done.append((label, time.perf_counter() - start))
+        report(*done[-1])
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tritonserve.kernels.compile_check")
+    parser.add_argument("--arch", type=int, default=90, help="sm_XX (90 = H100/H200)")
+    args = parser.parse_args(argv)
+    done = compile_all(args.arch, report=lambda label, seconds: print(
+        f"ok  sm_{args.arch}  {label}  ({seconds:.1f} s)", flush=True))
+    print(f"{len(done)} variants compiled")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+// paged_decode_attention for the CPU: one new query per sequence over its paged KV cache,
+// read in place through the block table (no gather into new tensors, no host read-back).
+//
+// Work item: one sequence with all its heads (at batch >= 4 x threads), else one (sequence,
+// KV head), so that small batches still use every thread. Tokens are taken a page at a time,
+// the pages read into the cache a sweep ahead (page_sweep.h; not for `cached` rows); scores
+// for the page, then an online-softmax update of the accumulators (flash-decoding's
+// recurrence, in fp32 whatever the cache dtype; a bf16/fp16 page is converted once, not once
+// per query head). The value pass runs head by head so each head's accumulator stays in
+// registers. Measured (batch 64, SmolLM2 heads, lengths 50-400, pages scattered, fp32):
+// 4.0-4.9 ms per call with one (sequence, KV head) per item and a row at a time, 2.6-3.0 ms
+// now; bf16 4.5 -> 2.5 ms (docs/benchmarks.md). On a Zen 5, in the engine (batch 64, 128-
+// token prompts, bf16): a vectorised exp 698-702 -> 616-635 us a call, then the dots of 16
+// tokens summed in one shuffle tree (page_scores) 640-657 -> 586-618 (ninth session).
+// bf16 caches on a build with AVX512-BF16 take paged_decode_bf16.h instead (scores by
+// vdpbf16ps on the raw pages, no conversion buffers): warm 0.27 -> 0.13 ms a call, in the
+// engine (batch 64, 64-token prompts) 327 -> 240-290 us; with the next pages asked for
+// spread over the compute (batch 64, 128-token prompts) 460-475 -> 261-264 us (tenth session).
+// `cached` (prefill rows, whose pages were just written) picks that kernel's schedule for
+// cached pages; the portable path only skips its sweep.
+// Registered as torch.ops.tritonserve.paged_decode_attention (CPU); kernels/cpu_ops.py
+// builds it and registers the fake (shape-only) implementation torch.compile traces with.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "isa.h"
+#include "page_sweep.h"
+#include "paged_decode_bf16.h"
+#include "paged_decode_portable.h"
+
+namespace {
+
+using tritonserve_decode_portable::decode_seq;
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache,
+                                     const torch::Tensor& block_tables,
+                                     const torch::Tensor& seq_lens, double scale,
+                                     bool cached) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "q [B, H, D] and caches [blocks, block_size, kv_heads, D] expected");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
+              "block_tables and seq_lens must be int32");
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && heads % kv_heads == 0, "head shapes do not fit");
+  const int64_t group = heads / kv_heads;
+  auto qc = q.stride(2) == 1 ? q : q.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = torch::empty({batch, heads, head_dim}, q.options());
+  const int32_t* len_ptr = lens.data_ptr<int32_t>();
+  const int32_t* table_ptr = tables.data_ptr<int32_t>();
+  // the bf16 streaming kernel takes split sequences (page_sweep.h's Items), the others not
+  bool splits = false;
+#ifdef TS_AVX512_BF16
+  splits = q.scalar_type() == at::kBFloat16 && !cached &&
+           tritonserve_decode_bf16::pick(head_dim, group, block_size, false) != nullptr;
+#endif
+  tritonserve_sweep::Items work(table_ptr, len_ptr, batch, tables.size(1), kv_heads,
+                                at::get_num_threads(), block_size, splits);
+  torch::Tensor scratch;  // the parts' sums of a split call
+  if (const int64_t floats = work.scratch_floats(heads, head_dim)) {
+    scratch = torch::empty({floats}, q.options().dtype(torch::kFloat32));
+    work.use_scratch(scratch.data_ptr<float>(), heads, head_dim);
+  }
+  // work(item, following): each thread claims its next item before it runs this one (the
+  // bf16 path asks for the following item's first page during this one's last); following
+  // is -1 when there is none
+  const int64_t items = work.count;
+  auto for_each_item = [&](auto&& run) {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t item = next++; item < items;) {
+        const int64_t following = next++;
+        run(item, following < items ? following : -1);
+        item = following;
+      }
+    });
+  };
+  const int64_t q_seq_stride = qc.stride(0), q_head_stride = qc.stride(1);
+#ifdef TS_AVX512_BF16
+  if (q.scalar_type() == at::kBFloat16) {
+    if (auto one = tritonserve_decode_bf16::pick(head_dim, group, block_size, cached)) {
+      using tritonserve_decode_bf16::Item;
+      const auto* q_ptr = reinterpret_cast<const uint16_t*>(qc.data_ptr());
+      const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+      const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+      auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
+      for_each_item([&](int64_t item, int64_t following) {
+        const Item it = work.at(item);
+        const Item after = following >= 0 ? work.at(following) : it;
+        const int64_t b = work.seq(item);
+        one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, it, following >= 0 ? &after : nullptr,
+            block_size, kv_heads, static_cast<float>(scale), out_ptr + b * heads * head_dim,
+            q_head_stride, head_dim);
+      });
+      if (work.parts > 1)
+        at::parallel_for(0, batch * heads, 1, [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r)
+            tritonserve_decode_bf16::merge_parts(work, r / heads, r % heads,
+                                                 out_ptr + r * head_dim);
+        });
+      return out;
+    }
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    const scalar_t* q_ptr = qc.data_ptr<scalar_t>();
+    const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+    const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    auto one = head_dim == 64 ? decode_seq<scalar_t, 64>
+             : head_dim == 128 ? decode_seq<scalar_t, 128> : decode_seq<scalar_t, 0>;
+    for_each_item([&](int64_t item, int64_t) {
+      const tritonserve_sweep::Item it = work.at(item);
+      const int64_t b = work.seq(item);
+      one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, it.table, it.len,
+          block_size, kv_heads, head_dim, group, it.h0, it.h1,
+          static_cast<float>(scale), out_ptr + b * heads * head_dim, q_head_stride, head_dim,
+          cached);
+    });
+  });
+  return out;
+}
+
+std::string isa_levels() { return tritonserve_isa::levels(); }
+
+}  // namespace
+
+TORCH_LIBRARY(tritonserve, m) {
+  // the library's ISA levels (isa.h), comma-separated: what Python's choices ask
+  m.def("isa_levels() -> str", &isa_levels);
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, bool cached=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tritonserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

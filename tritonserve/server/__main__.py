@@ -1,0 +1,157 @@
+"""python -m tritonserve.server [--model PATH] [--host 127.0.0.1] [--port 8000] [engine options]"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import signal
+import sys
+import threading
+from dataclasses import fields
+
+from aiohttp import web
+
+from tritonserve.engine import LLMEngine
+from tritonserve.engine.config import (DECODE_MODES, DTYPE_CHOICES, CacheConfig, EngineConfig,
+                                       SchedulerConfig)
+from tritonserve.engine.llm import build_config
+
+from .app import build_app, drain
+from .common import STATE
+from .config import ServerConfig
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Every default is read from the config dataclasses: none is written here again."""
+    e, c, q, v = EngineConfig, CacheConfig, SchedulerConfig, ServerConfig
+    backends = ["auto", "torch", "triton"]
+    p = argparse.ArgumentParser(prog="tritonserve serve")
+    p.add_argument("--model", default=e.model, help="local HF folder (default: embedded SmolLM2)")
+    p.add_argument("--host", default=v.host)
+    p.add_argument("--port", type=int, default=v.port)
+    p.add_argument("--device", default=e.device)
+    p.add_argument("--dtype", default=e.dtype, choices=DTYPE_CHOICES,
+                   help="auto: the model's dtype, float32 on a CPU without native bf16")
+    p.add_argument("--block-size", type=int, default=c.block_size)
+    p.add_argument("--num-blocks", type=int, default=c.num_blocks)
+    p.add_argument("--kv-cache-memory", "--cache-bytes", dest="cache_bytes", type=int,
+                   default=c.cache_bytes, help="KV cache bytes, all layers (default: sized "
+                   "from free memory; ignored with --num-blocks)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=c.gpu_memory_utilization,
+                   help="CUDA: the share of device memory for weights, activations and cache")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   default=not c.enable_prefix_caching)
+    p.add_argument("--max-num-seqs", type=int, default=q.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=q.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=q.max_model_len)
+    p.add_argument("--attention-backend", default=e.attention_backend, choices=backends)
+    p.add_argument("--sampler-backend", default=e.sampler_backend, choices=backends)
+    p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "dummy"])
+    p.add_argument("--decode-mode", default=e.decode_mode, choices=DECODE_MODES,
+                   help="decode steps: auto (CUDA graphs on CUDA, compile on the CPU in fp32, "
+                   "else eager), eager, static buffers, torch.compile (batch 1 and a dynamic "
+                   "batch), CUDA graphs per batch bucket")
+    p.add_argument("--decode-buckets", type=_sizes, default=e.decode_buckets,
+                   help="comma-separated batch sizes the decode mode builds (default: 1,2,4, "
+                   "then multiples of 8 up to --max-num-seqs)")
+    p.add_argument("--enforce-eager", dest="decode_mode", action="store_const", const="eager",
+                   help="every step op by op (as --decode-mode eager)")
+    p.add_argument("--max-waiting", type=int, default=v.max_waiting,
+                   help="waiting requests beyond this get HTTP 503 at once")
+    p.add_argument("--max-body-bytes", type=int, default=v.max_body_bytes,
+                   help="request bodies larger than this get HTTP 413")
+    p.add_argument("--grace-period", type=float, default=v.grace_period,
+                   help="seconds SIGTERM lets running streams finish")
+    p.add_argument("--seed", type=int, default=e.seed)
+    return p.parse_args(argv)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(**{f.name: getattr(args, f.name) for f in fields(ServerConfig)})
+
+
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    return LLMEngine(build_config(
+        args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        num_blocks=args.num_blocks, cache_bytes=None if args.num_blocks else args.cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend, sampler_backend=args.sampler_backend,
+        load_format=args.load_format, decode_mode=args.decode_mode,
+        decode_buckets=args.decode_buckets, seed=args.seed))
+
+
+async def serve_http(app: web.Application, args: argparse.Namespace,
+                     stop: asyncio.Event) -> None:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    card = app[STATE].engine.card
+    logging.info("serving %s on http://%s:%d (%s, decode %s, %s, %d KV blocks of %d tokens)",
+                 card.name, args.host, args.port, card.dtype, card.decode_mode, card.kernels,
+                 card.num_kv_blocks, card.block_size)
+    print(f"READY http://{args.host}:{args.port}", flush=True)
+    await stop.wait()
+    logging.info("draining (grace period %.1f s)", args.grace_period)
+    await drain(app, args.grace_period)
+    await runner.cleanup()  # stops the engine loop on the main thread
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The engine steps on the main thread (see server/async_engine.py); the event loop runs
+    in a second thread. SIGTERM / SIGINT start the drain. Exit status: 0 after a drain, 1 when
+    the engine died (every stream has its error event by then), 2 for a bad option."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    try:
+        config = server_config(args)
+        engine = build_engine(args)
+    except (ValueError, FileNotFoundError) as exc:  # a bad option or model folder
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(engine, config, engine_thread=False)
+    # What start-up built lives as long as the process: out of the collector's sight, the
+    # per-step garbage collections stay short (as vLLM does) and exit skips a ~1.5 s final
+    # sweep of the model, tokenizers and library modules.
+    gc.collect()
+    gc.freeze()
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    failure: list[BaseException] = []
+
+    def run_loop() -> None:
+        try:
+            loop.run_until_complete(serve_http(app, args, stop))
+        except BaseException as exc:  # noqa: BLE001 - reported on the main thread
+            failure.append(exc)
+            app[STATE].engine.stop()
+
+    def on_signal(signum, frame) -> None:
+        loop.call_soon_threadsafe(stop.set)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    http_thread = threading.Thread(target=run_loop, name="http", daemon=True)
+    http_thread.start()
+    async_engine = app[STATE].engine
+    async_engine.run()
+    if async_engine.dead is not None:  # drain what is left, then let a supervisor restart us
+        loop.call_soon_threadsafe(stop.set)
+    http_thread.join(timeout=30)
+    if failure:
+        raise failure[0]
+    return 1 if async_engine.dead is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
+
+Streams are `data: {chunk}` frames ending with `data: [DONE]`. Each choice gets exactly one
+chunk with a finish_reason (`stop` for EOS, a stop string or stop token; `length`); a failure
+sends `data: {"error": ...}` with no finish_reason, then [DONE]. Usage is always in
+non-streaming responses and, when stream_options.include_usage is set, in a last chunk with no
+choices. A list of prompts and `n` give len(prompts) x n choices, index = prompt * n + j.
+Structured output (response_format, vLLM's structured_outputs / guided_*) is enforced by a
+grammar in the sampler (server/structured.py); tools and tool_choice by server/tools.py.
+"""
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from tritonserve.engine import FinishReason
+
+from .async_engine import now
+from .common import STATE, ApiError, error_body, new_request_id, parse_body, sampling_params
+from .driver import Choice, Payload, Renderer, respond
+from .schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIFields
+from .structured import structured_output
+from .tools import ToolPlan, tool_plan
+
+OPENAI_REASON = {FinishReason.EOS: "stop", FinishReason.STOP: "stop",
+                 FinishReason.LENGTH: "length"}
+# documented by OpenAI, not served yet: setting one is a 400 naming it (None / False is unset)
+UNSUPPORTED = ("service_tier", "metadata", "suffix", "functions", "function_call", "audio",
+               "modalities", "prediction", "reasoning_effort", "web_search_options")
+
+
+def check_model(state, model: str | None) -> None:
+    if model is not None and model not in state.engine.card.names():
+        raise ApiError(404, "model_not_found", f"model {model!r} is not served here; "
+                       f"this server serves {state.engine.card.name!r}", "model")
+
+
+def _check_supported(body: OpenAIFields) -> None:
+    for name in UNSUPPORTED:
+        if getattr(body, name, None) not in (None, False):
+            raise ApiError(400, "unsupported_parameter",
+                           f"{name} is not supported by this server yet", name)
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of != body.n:
+        raise ApiError(400, "unsupported_parameter", "best_of other than n is not supported",
+                       "best_of")
+
+
+def _usage(choices: list[Choice], n: int) -> dict:
+    prompt = sum(c.completion.prompt_tokens for c in choices if c.index % n == 0)
+    output = sum(c.completion.output_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
+
+
+class OpenAIRenderer(Renderer):
+    """What completions and chat share: the chunk head, [DONE], usage, errors, logprobs."""
+
+    object = ""
+
+    def __init__(self, state, request_id: str, body: OpenAIFields, want_logprobs: bool) -> None:
+        self.prompts = state.engine.prompts
+        self.model = state.engine.card.name
+        self.head = {"id": request_id, "created": int(time.time()), "model": self.model}
+        self.n = body.n
+        self.want_logprobs = want_logprobs
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.extra = {"usage": None} if self.include_usage else {}
+
+    def chunk(self, choice: dict) -> dict:
+        return {**self.head, "object": self.chunk_object, "choices": [choice], **self.extra}
+
+    @property
+    def chunk_object(self) -> str:
+        return self.object
+
+    def failure(self, failure) -> list[Payload]:
+        return [error_body(failure.code, failure.message, kind="server_error")]
+
+    def end(self, choices: list[Choice], failed: bool) -> list[Payload]:
+        if self.include_usage and not failed:
+            return [{**self.head, "object": self.chunk_object, "choices": [],
+                     "usage": _usage(choices, self.n)}, "[DONE]"]
+        return ["[DONE]"]
+
+    def response(self, choices: list[Choice]) -> dict:
+        return {**self.head, "object": self.object,
+                "choices": [self.full_choice(c) for c in choices],
+                "usage": _usage(choices, self.n)}
+
+    def full_choice(self, choice: Choice) -> dict:
+        raise NotImplementedError
+
+
+class CompletionRenderer(OpenAIRenderer):
+    object = "text_completion"
+
+    def __init__(self, state, request_id, body, echo_texts: list[str] | None) -> None:
+        super().__init__(state, request_id, body, body.logprobs is not None)
+        self.echo_texts = echo_texts  # per prompt, when echo is set
+
+    def _logprobs(self, tokens) -> dict | None:
+        if not self.want_logprobs or not tokens:
+            return None
+        piece = self.prompts.decode_token
+        return {"tokens": [piece(t.token_id) for t in tokens],
+                "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{piece(a.token_id): a.logprob for a in t.top_logprobs or ()}
+                                 for t in tokens]}
+
+    def _choice(self, index: int, text: str, tokens, finish: str | None) -> dict:
+        return {"index": index, "text": text, "logprobs": self._logprobs(tokens),
+                "finish_reason": finish}
+
+    def start(self) -> list[Payload]:
+        if not self.echo_texts:
+            return []
+        return [self.chunk(self._choice(i, self.echo_texts[i // self.n], [], None))
+                for i in range(len(self.echo_texts) * self.n)]
+
+    def token(self, index, token) -> list[Payload]:
+        return [self.chunk(self._choice(index, token.text, [token], None))]
+
+    def finish(self, index, completion) -> list[Payload]:
+        return [self.chunk(self._choice(index, completion.tail_text, [],
+                                        OPENAI_REASON[completion.reason]))]
+
+    def full_choice(self, choice: Choice) -> dict:
+        echo = self.echo_texts[choice.index // self.n] if self.echo_texts else ""
+        return self._choice(choice.index, echo + choice.text, choice.tokens,
+                            OPENAI_REASON[choice.completion.reason])
+
+
+class ChatRenderer(OpenAIRenderer):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, state, request_id, body, plan: ToolPlan | None) -> None:
+        super().__init__(state, request_id, body, body.logprobs)
+        self._started: set[int] = set()
+        self.plan = plan
+        self._held: dict[int, list[str]] = {}  # streamed text held back for the tool parser
+
+    def _message(self, text: str, finish: str) -> tuple[dict, str]:
+        """The assistant message of a finished choice, and its finish_reason."""
+        if self.plan is None:
+            return {"role": "assistant", "content": text}, finish
+        try:
+            content, calls = self.plan.parse(text)
+        except (ValueError, KeyError, TypeError):  # cut off by max_tokens: not a whole call
+            return {"role": "assistant", "content": text}, finish
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.wire() for c in calls]
+            finish = "tool_calls" if finish == "stop" else finish
+        return message, finish
+
+    def _logprobs(self, tokens) -> dict | None:
+        if not self.want_logprobs or not tokens:
+            return None
+        piece = self.prompts.decode_token
+        return {"content": [{"token": piece(t.token_id), "logprob": t.logprob,
+                             "top_logprobs": [{"token": piece(a.token_id), "logprob": a.logprob}
+                                              for a in t.top_logprobs or ()]}
+                            for t in tokens]}
+
+    def _delta(self, index: int, text: str, final: bool) -> dict:
+        if index not in self._started:  # the first chunk of each choice names the role
+            self._started.add(index)
+            return {"role": "assistant", "content": text}
+        return {"content": text} if text or not final else {}
+
+    def token(self, index, token) -> list[Payload]:
+        if self.plan is not None and self.plan.buffers_output:
+            self._held.setdefault(index, []).append(token.text)
+            return []
+        return [self.chunk({"index": index, "delta": self._delta(index, token.text, False),
+                            "logprobs": self._logprobs([token]), "finish_reason": None})]
+
+    def finish(self, index, completion) -> list[Payload]:
+        finish = OPENAI_REASON[completion.reason]
+        if self.plan is not None and self.plan.buffers_output:
+            text = "".join(self._held.pop(index, [])) + completion.tail_text
+            message, finish = self._message(text, finish)
+            delta = {"role": "assistant", "content": message["content"]}
+            if "tool_calls" in message:
+                delta["tool_calls"] = [{"index": i, **call}
+                                       for i, call in enumerate(message["tool_calls"])]
+            return [self.chunk({"index": index, "delta": delta, "logprobs": None,
+                                "finish_reason": finish})]
+        return [self.chunk({"index": index,
+                            "delta": self._delta(index, completion.tail_text, True),
+                            "logprobs": None, "finish_reason": finish})]
+
+    def full_choice(self, choice: Choice) -> dict:
+        message, finish = self._message(choice.text, OPENAI_REASON[choice.completion.reason])
+        return {"index": choice.index, "message": message,
+                "logprobs": self._logprobs(choice.tokens), "finish_reason": finish}
+
+
+def _prompt_list(prompt) -> list:
+    """A completions `prompt`: a string, token ids, or a list of either -> a list of prompts."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    arrival = now()
+    body = await parse_body(request, CompletionRequest)
+    check_model(state, body.model)
+    _check_supported(body)
+    if body.echo and body.logprobs is not None:
+        raise ApiError(400, "unsupported_parameter", "echo with logprobs (prompt logprobs) is "
+                       "not supported yet", "echo")
+    prompts = _prompt_list(body.prompt)
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise ApiError(400, "invalid_request", f"prompts x n must be at most {MAX_CHOICES}, got "
+                       f"{len(prompts)} x {body.n}", "n")
+    tokenizer = state.engine.prompts
+    ids = []
+    for i, prompt in enumerate(prompts):
+        field = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        if isinstance(prompt, str):
+            ids.append(await tokenizer.encode(prompt, field))
+        elif not prompt:
+            raise ApiError(400, "invalid_request", "must not be empty", field)
+        else:
+            ids.append(list(prompt))
+    echo = None
+    if body.echo:
+        echo = [p if isinstance(p, str) else await tokenizer.decode(p) for p in prompts]
+    params = sampling_params(body, body.logprobs, structured=structured_output(body))
+    request_id = _start(state, "cmpl")
+    items = state.engine.submit(request_id, ids, params, arrival, body.n)
+    renderer = CompletionRenderer(state, request_id, body, echo)
+    return await respond(request, request_id, items, renderer, body.stream)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    arrival = now()
+    body = await parse_body(request, ChatCompletionRequest)
+    check_model(state, body.model)
+    _check_supported(body)
+    plan = tool_plan(body.tools, body.tool_choice)
+    structured = structured_output(body)
+    forced = plan.structured() if plan is not None else None
+    if forced is not None and structured is not None:
+        raise ApiError(400, "invalid_request", "a required or named tool_choice cannot be "
+                       "combined with response_format", "tool_choice")
+    messages = [m.for_template() for m in body.messages]
+    prompt_ids = await state.engine.prompts.encode_chat(messages,
+                                                        plan.tools if plan else None)
+    max_tokens = body.max_completion_tokens
+    if max_tokens is None:  # OpenAI's default: whatever the context leaves
+        max_tokens = body.max_tokens or max(1, state.engine.card.max_model_len - len(prompt_ids))
+    top = body.top_logprobs if body.logprobs else None
+    params = sampling_params(body, (top or 0) if body.logprobs else None, max_tokens,
+                             forced or structured)
+    request_id = _start(state, "chatcmpl")
+    items = state.engine.submit(request_id, [prompt_ids], params, arrival, body.n)
+    renderer = ChatRenderer(state, request_id, body, plan)
+    return await respond(request, request_id, items, renderer, body.stream)
+
+
+def _start(state, prefix: str) -> str:
+    if state.draining:
+        raise ApiError(503, "shutting_down", "the server is shutting down")
+    return new_request_id(prefix)
+
+
+async def models(request: web.Request) -> web.Response:
+    card = request.app[STATE].engine.card
+    return web.json_response({"object": "list", "data": [{
+        "id": card.name, "object": "model", "created": 0, "owned_by": "tritonserve",
+        "root": card.root, "max_model_len": card.max_model_len}]})
