@@ -136,3 +136,23 @@ def test_the_x86_64_v3_build_passes_the_op_tests():
         cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
     assert tests.returncode == 0, tests.stdout[-4000:]
     assert " passed" in tests.stdout.splitlines()[-1]
+
+
+@needs_compiler
+def test_native_on_a_cpu_that_lacks_its_features_builds_the_highest_level_it_has(monkeypatch):
+    """The compiler saw one CPU and the code runs on another (an emulator, a hypervisor that
+    hides AVX-512): the build falls to x86-64-v3 where the CPU has AVX2, and says so."""
+    compiler = cpu_build.find_compiler()
+    v3 = cpu_build.target(compiler, "x86-64-v3")
+    monkeypatch.delenv("TRITONSERVE_CPU_MARCH", raising=False)
+    monkeypatch.setenv("TRITONSERVE_CPU_FLAGS", " ".join(v3.requires))
+    native = cpu_build.target(compiler, "native")
+    chosen, note = cpu_build.choose_target(compiler)
+    if set(native.requires) <= set(v3.requires):  # a CPU whose native target is v3 or less
+        assert chosen.march == "native" and note == ""
+    else:
+        assert chosen.march == "x86-64-v3" and chosen.key == v3.key
+        assert "which this CPU lacks: built for x86-64-v3" in note
+    monkeypatch.setenv("TRITONSERVE_CPU_FLAGS", OLD_CPU)  # below every level: nothing
+    chosen, note = cpu_build.choose_target(compiler)
+    assert chosen is None and "which this CPU lacks" in note

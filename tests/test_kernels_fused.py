@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tritonserve.kernels
+from tritonserve import kernels
 
 from tritonserve.kernels import cpu_ops, reference
 

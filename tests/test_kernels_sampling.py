@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tritonserve.kernels
+from tritonserve import kernels
 
 from tritonserve.kernels import cpu_ops, reference
 

@@ -3,6 +3,7 @@ Hugging Face's `kernels` package, which transformers 5.25 imports, and neither t
 the tests started. The wheel is built offline and read; the command line is run as installed."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -17,8 +18,13 @@ BIN = Path(sys.executable).parent
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
+    source = tmp_path_factory.mktemp("source")  # setuptools writes build/ into the tree it builds
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "tritonserve", source / "tritonserve",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                           "--no-build-isolation", "--no-index", "-w", str(out), str(ROOT)],
+                           "--no-build-isolation", "--no-index", "-w", str(out), str(source)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return zipfile.ZipFile(next(out.glob("tritonserve-*.whl")))
@@ -76,3 +82,19 @@ def test_serve_takes_the_model_as_its_first_argument(monkeypatch):
     assert cli.main(["serve", "/models/llama", "--port", "9000"]) == 0
     assert cli.main(["serve", "--port", "9001"]) == 0
     assert seen == [["--model", "/models/llama", "--port", "9000"], ["--port", "9001"]]
+
+
+def test_scripts_use_the_package_names_and_the_projects_venv():
+    """Every shell script imports through `tritonserve.` and runs .venv's interpreter where
+    the README's set-up made one (gpu_check.sh once ran `python3` from PATH: no torch there);
+    check_latest.sh alone makes a venv of its own, on purpose."""
+    import re
+    scripts = sorted((ROOT / "scripts").glob("*.sh")) + sorted(
+        (ROOT / "tritonserve" / "bench").glob("*.sh"))
+    assert len(scripts) >= 6
+    for script in scripts:
+        text = script.read_text()
+        stale = re.findall(r"(?:from|import|-m) (?:engine|bench|kernels|server)\b", text)
+        assert not stale, f"{script.name}: {stale}"
+        if script.name != "check_latest.sh" and re.search(r"\bpython3?\b", text):
+            assert ".venv/bin/" in text, script.name

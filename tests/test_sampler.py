@@ -121,8 +121,7 @@ def _sample_args(batch: int = 5, vocab: int = 64, seed: int = 3):
 def test_sample_op_matches_the_kernel_it_names(backend):
     """tritonserve::sample is the registered door to both samplers: the same tokens as the
     direct call (the Triton one interpreted here, on CUDA in tritonserve/bench/gpu_check.sh)."""
-    import tritonserve.kernels
-
+    from tritonserve import kernels
     from tritonserve.kernels import reference
     args = _sample_args()
     direct = (kernels.sample if backend == "triton" else reference.sample)(*args)
@@ -135,7 +134,7 @@ def test_sample_op_passes_opcheck_and_compiles_without_graph_breaks():
     """The fake implementation agrees with the real one (torch.library.opcheck), and a
     fullgraph torch.compile of logits -> temperature-scaled -> sampled token calls the op from
     the graph and draws the same tokens as eager."""
-    import engine.sampler  # noqa: F401  (registers the op)
+    import tritonserve.engine.sampler  # noqa: F401  (registers the op)
     args = _sample_args()
     torch.library.opcheck(torch.ops.tritonserve.sample.default, (*args, "torch"))
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-import tritonserve.kernels
+from tritonserve import kernels
 
 from tritonserve.kernels import reference
 from tritonserve.kernels._common import interpreting

@@ -19,7 +19,7 @@ vpy=${VLLM_VENV:-/tmp/vllm-venv}/bin/python
 out=${OUT:-results/peers}
 dtype=${DTYPE:-float32}
 mkdir -p "$out"
-model=$($py -c "from engine.default_model import default_model_path; print(default_model_path())")
+model=$($py -c "from tritonserve.engine.default_model import default_model_path; print(default_model_path())")
 export VLLM_TARGET_DEVICE=cpu  # an AVX2-only CPU: platform detection fails without it
 # Every run draws its own prompts (--seed): with one seed for all, the greedy run asked for the
 # default run's prompts again and both servers found them in their prefix caches (ours: TTFT
@@ -39,7 +39,7 @@ wait_ready() { until curl -sf "http://127.0.0.1:$1/v1/models" > /dev/null; do sl
 machine() {
 DTYPE=$dtype $py - <<'PY'
 import json, os, time, torch
-from bench.throughput import measure_matmul_gflops
+from tritonserve.bench.throughput import measure_matmul_gflops
 x = torch.randn(64 << 20)  # 256 MiB
 x.sum()
 start = time.perf_counter()

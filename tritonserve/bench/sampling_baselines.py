@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-import tritonserve.kernels
+from tritonserve import kernels
 
 from tritonserve.kernels import reference
 

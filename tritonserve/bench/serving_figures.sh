@@ -10,7 +10,7 @@ py=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3
 out=${OUT:-results}
 dtype=${DTYPE:-float32}
 mkdir -p "$out"
-model=$($py -c "from engine.default_model import default_model_path; print(default_model_path())")
+model=$($py -c "from tritonserve.engine.default_model import default_model_path; print(default_model_path())")
 port=${PORT:-8123}
 declare -A sampling=([greedy]="--temperature 0" [default]="" [top_p]="--temperature 1 --top-p 0.95")
 for c in 16 64; do

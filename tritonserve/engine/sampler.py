@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-import tritonserve.kernels
+from tritonserve import kernels
 
 from tritonserve.kernels import cpu_ops, reference
 

@@ -112,19 +112,37 @@ def target(compiler: str, arch: str) -> Target:
 
 
 def cpu_flags() -> set[str] | None:
-    """The running CPU's feature flags (Linux's /proc/cpuinfo, which leaves out what the OS
-    does not enable), or TRITONSERVE_CPU_FLAGS; None where neither says."""
+    """The running CPU's feature flags: Linux's /proc/cpuinfo (which leaves out what the OS
+    does not enable), less what CPUID itself denies as torch's cpuinfo reads it (under an
+    emulator such as qemu-user /proc/cpuinfo is the host's, while the CPU the code runs on is
+    the emulated one); TRITONSERVE_CPU_FLAGS in place of both. None where nothing says."""
     override = os.environ.get("TRITONSERVE_CPU_FLAGS")
     if override is not None:
         return set(override.split())
+    flags = None
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    flags = set(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return None
+    if flags is None or platform.machine() not in ("x86_64", "AMD64"):
+        return flags
+    def denied(check: str) -> bool:  # a torch without the check denies nothing
+        answer = getattr(torch.cpu, check, None)
+        return answer is not None and not answer()
+
+    if denied("_is_avx2_supported"):
+        flags -= {"avx2"}
+    if denied("_is_avx512_supported"):
+        flags = {flag for flag in flags if not flag.startswith("avx512")}
+    if denied("_is_avx512_bf16_supported"):
+        flags -= {"avx512_bf16"}
+    if denied("_is_amx_tile_supported"):
+        flags = {flag for flag in flags if not flag.startswith("amx")}
+    return flags
 
 
 def missing_features(requires: list[str] | tuple[str, ...]) -> list[str]:
@@ -157,11 +175,12 @@ def stage_sources(folder: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What load() did: `folder` holds the library when `loaded`; `reason` is the one line the
-    log said."""
+    """What load() did: `folder` holds the library when `loaded`; `reason` is the one line for
+    the log; `note` says why the target is not the one asked for (then worth a warning)."""
     loaded: bool
     reason: str
     folder: Path | None = None
+    note: str = ""
 
 
 def _ninja_on_path() -> None:
@@ -223,6 +242,25 @@ def _prune(tgt: Target, keep: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def choose_target(compiler: str) -> tuple[Target | None, str]:
+    """The target to build, and a note when it is not the one asked for: -march as
+    TRITONSERVE_CPU_MARCH says (native by default) where this CPU has every feature it names;
+    for native, else the highest x86-64 level this CPU does have (the compiler saw another CPU
+    than the one the code runs on: under an emulator, a hypervisor that hides features); else
+    None, the note saying what is missing."""
+    wanted = target(compiler, march())
+    missing = missing_features(wanted.requires)
+    if not missing:
+        return wanted, ""
+    note = f"-march={wanted.march} needs {', '.join(missing)}, which this CPU lacks"
+    if wanted.march == "native" and platform.machine() in ("x86_64", "AMD64"):
+        for level in ("x86-64-v3", "x86-64-v2"):
+            lower = target(compiler, level)
+            if not missing_features(lower.requires):
+                return lower, f"{note}: built for {level}"
+    return None, note
+
+
 def load(rebuild: bool = False) -> Outcome:
     """Build (once per target) and load the library into torch.ops.tritonserve; never raises
     and never loads a library this CPU cannot run. rebuild: retry a build that failed."""
@@ -235,20 +273,18 @@ def load(rebuild: bool = False) -> Outcome:
             return Outcome(False, "no C++ compiler and no prebuilt library for this CPU")
         return _load_library(prebuilt)
     try:
-        tgt = target(compiler, march())
+        tgt, note = choose_target(compiler)
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", None) or str(exc)
         return Outcome(False, f"{compiler} refuses -march={march()}: {_last_line(detail)}")
+    if tgt is None:
+        return Outcome(False, note)
     folder = root() / tgt.key
     failed = folder / FAILED
     if failed.exists() and not rebuild:
         return Outcome(False, f"the build failed before ({_last_line(failed.read_text())}; "
                               f"the whole log: {failed}; `tritonserve build-ops --rebuild` "
                               f"retries)")
-    missing = missing_features(tgt.requires)
-    if missing:  # the compiler's target is not this CPU (a cross -march, a lying hypervisor)
-        return Outcome(False, f"-march={tgt.march} needs {', '.join(missing)}, which this CPU "
-                              f"lacks")
     if not (folder / MANIFEST).exists() or rebuild:
         folder.mkdir(parents=True, exist_ok=True)
         failed.unlink(missing_ok=True)
@@ -260,7 +296,8 @@ def load(rebuild: bool = False) -> Outcome:
                                   f"{failed})")
         _write_manifest(tgt, folder)
         _prune(tgt, folder)
-    return _load_library(folder)
+    outcome = _load_library(folder)
+    return Outcome(outcome.loaded, f"{outcome.reason} ({note})", folder, note) if note else outcome
 
 
 def _load_library(folder: Path) -> Outcome:

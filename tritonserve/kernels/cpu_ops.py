@@ -31,7 +31,8 @@ def load() -> bool:
             "CPU C++ ops unavailable: %s; the plain-torch paths serve", outcome.reason)
         return False
     _register_fake()
-    log.info("CPU C++ ops %s (%s)", outcome.reason, _describe_levels())
+    (log.warning if outcome.note else log.info)("CPU C++ ops %s (%s)", outcome.reason,
+                                                _describe_levels())
     return True
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import tritonserve.kernels
+from tritonserve import kernels
 
 from tritonserve.kernels import cpu_ops
 
