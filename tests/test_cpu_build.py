@@ -156,3 +156,21 @@ def test_native_on_a_cpu_that_lacks_its_features_builds_the_highest_level_it_has
     monkeypatch.setenv("TRITONSERVE_CPU_FLAGS", OLD_CPU)  # below every level: nothing
     chosen, note = cpu_build.choose_target(compiler)
     assert chosen is None and "which this CPU lacks" in note
+
+
+def test_older_builds_of_the_same_target_are_pruned(tmp_path, monkeypatch):
+    """Each edit of a source is a new folder: the newest KEEP_BUILDS of a target stay, and
+    another target's builds (another -march, another CPU's) are never touched."""
+    monkeypatch.setenv("TRITONSERVE_CACHE", str(tmp_path))
+    tgt = cpu_build.Target("native", "c++", "c++ 12", ("avx2", "fma"), ("-O3",))
+    folders = []
+    for i, (march, requires) in enumerate([("native", ["avx2", "fma"])] * 6
+                                          + [("x86-64-v3", ["avx2"])]):
+        folder = cpu_build.root() / f"build{i}"
+        folder.mkdir(parents=True)
+        (folder / cpu_build.MANIFEST).write_text(json.dumps({"march": march,
+                                                             "requires": requires}))
+        os.utime(folder / cpu_build.MANIFEST, (1000 + i, 1000 + i))
+        folders.append(folder)
+    cpu_build._prune(tgt, keep=folders[5])
+    assert [f.exists() for f in folders] == [False, False, True, True, True, True, True]

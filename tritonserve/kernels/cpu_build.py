@@ -130,6 +130,7 @@ def cpu_flags() -> set[str] | None:
         pass
     if flags is None or platform.machine() not in ("x86_64", "AMD64"):
         return flags
+
     def denied(check: str) -> bool:  # a torch without the check denies nothing
         answer = getattr(torch.cpu, check, None)
         return answer is not None and not answer()
@@ -194,21 +195,32 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else "no output"
 
 
-def _prebuilt() -> Path | None:
-    """Without a compiler: a finished build of these sources for this torch that this CPU
-    runs (a container image may ship one), newest first."""
-    sources = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()
+def sources_digest() -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()
+
+
+def _builds() -> list[tuple[float, Path, dict]]:
+    """Every finished build in the cache: (when, folder, manifest), newest first."""
     found = []
     for manifest in root().glob(f"*/{MANIFEST}"):
         try:
-            data = json.loads(manifest.read_text())
+            found.append((manifest.stat().st_mtime, manifest.parent,
+                          json.loads(manifest.read_text())))
         except (OSError, ValueError):
             continue
+    return sorted(found, key=lambda build: build[0], reverse=True)
+
+
+def _prebuilt() -> Path | None:
+    """Without a compiler: the newest finished build of these sources for this torch that
+    this CPU runs (a container image may ship one)."""
+    sources = sources_digest()
+    for _, folder, data in _builds():
         if (data.get("sources") == sources and data.get("torch") == torch.__version__
                 and not missing_features(data.get("requires", []))
-                and (manifest.parent / f"{NAME}.so").exists()):
-            found.append((manifest.stat().st_mtime, manifest.parent))
-    return max(found)[1] if found else None
+                and (folder / f"{NAME}.so").exists()):
+            return folder
+    return None
 
 
 def _build(tgt: Target, folder: Path) -> None:
@@ -220,24 +232,18 @@ def _build(tgt: Target, folder: Path) -> None:
 
 
 def _write_manifest(tgt: Target, folder: Path) -> None:
-    sources = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()
     data = {"march": tgt.march, "compiler": tgt.compiler_version, "cflags": list(tgt.cflags),
-            "torch": torch.__version__, "requires": list(tgt.requires), "sources": sources}
+            "torch": torch.__version__, "requires": list(tgt.requires),
+            "sources": sources_digest()}
     (folder / MANIFEST).write_text(json.dumps(data, indent=1) + "\n")
 
 
 def _prune(tgt: Target, keep: Path) -> None:
     """Older builds for the same target (other sources, compiler or torch) beyond the newest
     KEEP_BUILDS: each edit of a source makes a new ~20 MB folder."""
-    same = []
-    for manifest in root().glob(f"*/{MANIFEST}"):
-        try:
-            data = json.loads(manifest.read_text())
-        except (OSError, ValueError):
-            continue
-        if data.get("march") == tgt.march and data.get("requires") == list(tgt.requires):
-            same.append((manifest.stat().st_mtime, manifest.parent))
-    for _, folder in sorted(same, reverse=True)[KEEP_BUILDS:]:
+    same = [folder for _, folder, data in _builds()
+            if data.get("march") == tgt.march and data.get("requires") == list(tgt.requires)]
+    for folder in same[KEEP_BUILDS:]:
         if folder != keep:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -39,9 +39,7 @@ def load() -> bool:
 def isa_levels() -> tuple[str, ...]:
     """The ISA levels the loaded library was built with (kernels/cpu/isa.h: avx512,
     avx512_bf16, amx; () for the portable build or no library)."""
-    if not load():
-        return ()
-    return tuple(level for level in torch.ops.tritonserve.isa_levels().split(",") if level)
+    return _levels() if load() else ()
 
 
 def describe() -> str:
@@ -49,9 +47,12 @@ def describe() -> str:
     return _describe_levels() if load() else "unavailable"
 
 
+def _levels() -> tuple[str, ...]:
+    return tuple(level for level in torch.ops.tritonserve.isa_levels().split(",") if level)
+
+
 def _describe_levels() -> str:
-    levels = [level for level in torch.ops.tritonserve.isa_levels().split(",") if level]
-    return "ISA " + ("+".join(levels) if levels else "portable (no AVX-512)")
+    return "ISA " + ("+".join(_levels()) or "portable (no AVX-512)")
 
 
 def _register_fake() -> None:
