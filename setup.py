@@ -30,7 +30,7 @@ setup(
         # Needed once, to convert the embedded SmolLM2 GGUF into safetensors.
         "gguf>=0.10",
         "accelerate>=0.30",
-        # Builds the CPU decode-attention op (kernels/cpu_ops.py) with torch's extension
+        # Builds the CPU decode-attention op (kernels/cpu/__init__.py) with torch's extension
         # builder; without it (or a C++ compiler) the plain-torch path serves.
         "ninja>=1.11",
     ],

@@ -19,5 +19,5 @@ if [ ! -f "$stamp" ]; then
 fi
 # The CPU C++ library, built once per CPU and compiler into ~/.cache/tritonserve/cpu_ops
 # (seconds when already built; never fails the install: without a compiler, or where the build
-# fails, the plain-torch path serves; tritonserve/kernels/cpu_build.py).
+# fails, the plain-torch path serves; tritonserve/kernels/cpu/build.py).
 .venv/bin/tritonserve build-ops

@@ -32,18 +32,18 @@ if command -v qemu-x86_64 > /dev/null; then
   qemu-x86_64 -cpu Haswell-v4 .venv/bin/python - <<'PY' 2>&1 | grep -v "TCG doesn't" || status=1
 import logging, sys, torch
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-from tritonserve.kernels import cpu_ops, reference
+from tritonserve.kernels import cpu, reference
 from tests.test_kernels_attention import make_cache, scattered_tables
-assert cpu_ops.load() and cpu_ops.isa_levels() == (), "expected the portable library"
+assert cpu.load() and cpu.isa_levels() == (), "expected the portable library"
 k, v = make_cache(12, 16, 2, 64, torch.float32, "cpu", 5)
 tables = scattered_tables([30, 70], 16, 12, 5)
 lens = torch.tensor([30, 70], dtype=torch.int32)
 q = torch.randn(2, 4, 64)
-got = cpu_ops.paged_decode_attention()(q, k, v, tables, lens, 0.125)
+got = cpu.op("paged_decode_attention")(q, k, v, tables, lens, 0.125)
 want = reference.paged_decode_attention(q, k, v, tables, lens, 0.125)
 y = torch.randn(3, 128)
 ok = torch.allclose(got, want, atol=1e-5) and torch.allclose(
-    cpu_ops.fused_ops()[1](y), reference.silu_and_mul(y), atol=1e-5)
+    cpu.op("silu_and_mul")(y), reference.silu_and_mul(y), atol=1e-5)
 print("ops match the reference under Haswell-v4" if ok else "MISMATCH")
 sys.exit(0 if ok else 1)
 PY

@@ -9,30 +9,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from tritonserve.engine import config as engine_config  # noqa: E402
 from tests.tiny_models import write_tiny_model  # noqa: E402
-
-SHIPPED_CPU_DECODE_MODES = dict(engine_config.CPU_DECODE_MODES)
 
 ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                  "Qwen3ForCausalLM"]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def eager_cpu_decode_by_default():
-    """In-process engines decode eager unless a test names a mode or asks for
-    `shipped_defaults`: compiling costs each new model shape or cache size ~5 s (~100 s from an
-    empty compile cache), and the suite builds hundreds of engines."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine_config, "CPU_DECODE_MODES",
-                      {dtype: "eager" for dtype in SHIPPED_CPU_DECODE_MODES})
-        yield
-
-
-@pytest.fixture
-def shipped_defaults(monkeypatch):
-    """The CPU decode modes `auto` resolves to as shipped (layers in fp32 and bf16)."""
-    monkeypatch.setattr(engine_config, "CPU_DECODE_MODES", SHIPPED_CPU_DECODE_MODES)
 
 
 @pytest.fixture(scope="session")

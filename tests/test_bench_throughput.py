@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from tritonserve.bench.throughput import measure_matmul_gflops
-from tritonserve.engine.models import linear
+from tritonserve.engine.models import linear, ops
 
 
 def test_ceiling_measures_the_engine_linear_path(monkeypatch):
-    if not linear.can_prepack(torch.empty(1)):
+    if not linear.has_form("onednn", torch.float32):
         pytest.skip("no oneDNN here: the engine's linear is F.linear")
 
     def refuse(*args, **kwargs):
         raise AssertionError("the ceiling measured F.linear, not the engine's oneDNN path")
 
-    monkeypatch.setattr(linear.F, "linear", refuse)
+    monkeypatch.setattr(ops.F, "linear", refuse)
     rates = measure_matmul_gflops(size=128, repeats=2)
     assert set(rates) == {"torch_mm", "engine_linear"}
     assert all(rate > 0 for rate in rates.values())
@@ -36,8 +36,8 @@ def test_bench_profile_reports_prefill_decode_and_ops(tiny_model):
     tokens = int(prefill.split()[1])
     assert 4 * 5 <= tokens <= 4 * 20
     assert any(line.startswith("decode:") and "ms per step at batch 4" in line for line in lines)
-    # the server's default dtype (auto: the tiny model is float32), named with the mode
-    assert any(line.startswith("dispatched ops per step") and "(decode mode eager, float32)"
+    # the server's default dtype (auto: the tiny model is float32), named with the plan
+    assert any(line.startswith("dispatched ops per step") and "(float32; decode eager (asked)"
                in line for line in lines)
     assert "Self CPU" in proc.stdout  # the per-op table, its rows named by op namespace
     assert any(ns in proc.stdout for ns in ("aten::", "mkldnn::", "tritonserve::"))

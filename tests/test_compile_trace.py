@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from tritonserve.bench.compile_probe import decode_batch
-from tritonserve.engine.attention import TorchAttention
+from tritonserve.engine.attention import CpuAttention
 from tritonserve.engine.models import ForwardContext, ModelArch
 from tritonserve.engine.models.loader import build_model
-from tritonserve.kernels import cpu_ops
+from tritonserve.kernels import cpu
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(cpu_ops.paged_decode_attention() is None, reason="no C++ toolchain")
+@pytest.mark.skipif(cpu.op("paged_decode_attention") is None, reason="no C++ toolchain")
 def test_decode_forward_compiles_as_one_graph_and_matches_eager(tiny_model):
     arch = ModelArch.from_folder(tiny_model)
     model = build_model(arch, tiny_model, torch.float32, torch.device("cpu"), 64)
@@ -25,7 +25,7 @@ def test_decode_forward_compiles_as_one_graph_and_matches_eager(tiny_model):
     caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
               for _ in range(arch.num_layers)]
     ids, positions, meta = decode_batch(batch, context, block_size, arch.vocab_size)
-    ctx = ForwardContext(meta, caches, TorchAttention(torch.device("cpu")))
+    ctx = ForwardContext(meta, caches, CpuAttention())
 
     def step(ids, positions):
         return model.compute_logits(model(ids, positions, ctx))

@@ -1,4 +1,4 @@
-"""The CPU library's build and load (kernels/cpu_build.py): a folder per target, a manifest
+"""The CPU library's build and load (kernels/cpu/build.py): a folder per target, a manifest
 checked against the running CPU before loading (a library built for another CPU falls back
 with a log line instead of dying of SIGILL), a failed build remembered, not retried at each
 start; and the x86-64-v3 (AVX2, no AVX-512) build compiled here and put through the op
@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tritonserve.kernels import cpu_build, cpu_ops
+from tritonserve.kernels import cpu
+from tritonserve.kernels.cpu import build as cpu_build
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_compiler = pytest.mark.skipif(cpu_build.find_compiler() is None, reason="no C++ compiler")
-needs_library = pytest.mark.skipif(not cpu_ops.load(), reason="no CPU library here")
+needs_library = pytest.mark.skipif(not cpu.load(), reason="no CPU library here")
 # A CPU with SSE2 and no more: what /proc/cpuinfo says on a machine this build cannot run on
 OLD_CPU = "fpu tsc cx8 cmov mmx fxsr sse sse2 syscall nx lm"
 
@@ -30,8 +31,8 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 PROBE = ("import logging, torch; logging.basicConfig(level=logging.INFO); "
-         "from tritonserve.kernels import cpu_ops; print('loaded', cpu_ops.load()); "
-         "print('levels', ','.join(cpu_ops.isa_levels())); "
+         "from tritonserve.kernels import cpu; print('loaded', cpu.load()); "
+         "print('levels', ','.join(cpu.isa_levels())); "
          "print('in torch.ops', hasattr(torch.ops.tritonserve, 'isa_levels'))")
 
 

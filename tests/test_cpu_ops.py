@@ -1,4 +1,4 @@
-"""The C++ CPU ops (kernels/cpu_ops.py): the paged decode attention against the torch
+"""The C++ CPU ops (kernels/cpu/__init__.py): the paged decode attention against the torch
 reference, the rope ops, the fake implementations, the benchmarks that drive them, and the
 fallback when they cannot be built. The bf16 panel matmul: tests/test_cpu_panels_bf16.py."""
 from __future__ import annotations
@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tritonserve.engine.attention import TorchAttention
-from tritonserve.kernels import cpu_build, cpu_ops, reference
+from tritonserve.engine.attention import CpuAttention
+from tritonserve.kernels import cpu
+from tritonserve.kernels import reference
+from tritonserve.kernels.cpu import build as cpu_build
 from tests.test_kernels_attention import (PREFILL_CASES, close, make_cache, poison_tails,
                                           scattered_tables)
 
-op = cpu_ops.paged_decode_attention()
+op = cpu.op("paged_decode_attention")
 needs_op = pytest.mark.skipif(op is None, reason="no C++ toolchain: the torch path serves")
 
 CASES = [
@@ -131,7 +133,7 @@ def test_cpu_decode_bf16_rescales_when_the_max_jumps(batch, group, head_dim, cac
 @pytest.mark.parametrize("as_decode", [True, False])
 def test_cpu_prefill_matches_reference(group, shapes, block_size, head_dim, dtype, as_decode,
                                        monkeypatch):
-    """TorchAttention.prefill on the CPU: chunks up to PREFILL_AS_DECODE_MAX rows run as
+    """CpuAttention.prefill: chunks up to PREFILL_AS_DECODE_MAX rows run as
     decode rows of the C++ op (row i of a chunk over its first seq_len - q_len + i + 1
     tokens: cached prefixes and earlier chunks included), longer ones through SDPA."""
     import tritonserve.engine.attention as attention
@@ -149,7 +151,7 @@ def test_cpu_prefill_matches_reference(group, shapes, block_size, head_dim, dtyp
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     q = torch.randn(int(cu[-1]), kv_heads * group, head_dim).to(dtype)
     expected = reference.paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, 0.125)
-    actual = TorchAttention(torch.device("cpu")).prefill(q, k_cache, v_cache, tables, cu, lens,
+    actual = CpuAttention().prefill(q, k_cache, v_cache, tables, cu, lens,
                                                          max(q_lens), 0.125)
     close(actual, expected, dtype)
 
@@ -217,18 +219,17 @@ def test_backend_falls_back_to_torch_without_the_op(monkeypatch):
     """TRITONSERVE_CPU_OPS=0 (or no toolchain): the backend serves decode with plain torch,
     and both paths give the same attention."""
     monkeypatch.setenv("TRITONSERVE_CPU_OPS", "0")
-    assert cpu_ops.load.__wrapped__() is False
+    assert cpu.load.__wrapped__() is False
     k_cache, v_cache = make_cache(12, 16, 2, 64, torch.float32, "cpu", 5)
     tables = scattered_tables([30, 70], 16, 12, 5)
     lens = torch.tensor([30, 70], dtype=torch.int32)
     q = torch.randn(2, 4, 64)
-    fallback = TorchAttention(torch.device("cpu"))
+    fallback = CpuAttention()
     fallback.cpu_decode = None
     expected = reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
     close(fallback.decode(q, k_cache, v_cache, tables, lens, 70, 0.125), expected, torch.float32)
     if op is not None:
-        assert TorchAttention(torch.device("cpu")).cpu_decode is not None
-        assert TorchAttention(torch.device("meta")).cpu_decode is None  # not a CPU tensor
+        assert CpuAttention().cpu_decode is not None
 
 
 def test_sources_are_staged_once_at_stable_paths(tmp_path):
@@ -293,10 +294,10 @@ def _op_cases():
     tables = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32)
     lens = torch.tensor([20, 9], dtype=torch.int32)
     q = torch.randn(2, 6, 64, generator=gen)
-    add_rms_norm, silu_and_mul = cpu_ops.fused_ops()
-    pack, product = cpu_ops.packed_linear()
-    pack16, product16 = cpu_ops.packed_linear_bf16()
-    pack_gate_up, silu_product16 = cpu_ops.packed_linear_silu_mul_bf16()
+    add_rms_norm, silu_and_mul = (cpu.op("add_rms_norm"), cpu.op("silu_and_mul"))
+    pack, product = cpu.panel_ops(torch.float32)
+    pack16, product16 = cpu.panel_ops(torch.bfloat16)
+    pack_gate_up, silu_product16 = (cpu.pack_gate_up_bf16, cpu.op("packed_linear_silu_mul_bf16"))
     x, w = torch.randn(5, 40, generator=gen), torch.randn(70, 40, generator=gen)
     cases = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -306,11 +307,11 @@ def _op_cases():
                       (x.to(dtype), torch.randn(5, 40, generator=gen).to(dtype),
                        torch.rand(40, generator=gen).to(dtype), 1e-5)))
         cases.append((f"silu_and_mul {dtype}", silu_and_mul, (x.to(dtype),)))
-        cases.append((f"rotary_embedding {dtype}", cpu_ops.rotary_embedding(),
+        cases.append((f"rotary_embedding {dtype}", cpu.op("rotary_embedding"),
                       (q.to(dtype)[:, :, :32], torch.randn(2, 1, 32, generator=gen).to(dtype),
                        torch.randn(2, 1, 32, generator=gen).to(dtype))))
     kc, vc = k_cache.bfloat16(), v_cache.bfloat16()
-    cases.append(("rope_store_kv", cpu_ops.rope_store_kv(),
+    cases.append(("rope_store_kv", cpu.op("rope_store_kv"),
                   (torch.randn(3, 10 * 64, generator=gen).bfloat16(),
                    torch.randn(3, 1, 64, generator=gen).bfloat16(),
                    torch.randn(3, 1, 64, generator=gen).bfloat16(), torch.tensor([4, -1, 40]),
@@ -320,7 +321,7 @@ def _op_cases():
         ("packed_linear_bf16", product16, (x.bfloat16(), pack16(w.bfloat16()), 70, None)),
         ("packed_linear_silu_mul_bf16", silu_product16,
          (x.bfloat16(), pack_gate_up(torch.randn(64, 40, generator=gen).bfloat16()))),
-        ("sample_softmax", cpu_ops.sample_softmax(),
+        ("sample_softmax", cpu.op("sample_softmax"),
          (torch.randn(3, 100, generator=gen), torch.ones(3), torch.arange(3))),
     ]
     return cases
@@ -346,7 +347,7 @@ def test_rotary_embedding_rounds_the_exact_rotation_once(dtype):
     x D) and returns x * cos + rotate_half(x) * sin computed in fp32 and rounded once: within
     one rounding step of the float64 rotation of the same inputs."""
     from tritonserve.engine.models.decoder import RotaryEmbedding
-    rotate = cpu_ops.rotary_embedding()
+    rotate = cpu.op("rotary_embedding")
     gen = torch.Generator().manual_seed(11)
     qkv = torch.randn(37, 9 * 64 + 2 * 3 * 64, generator=gen).to(dtype)
     q = qkv[:, :9 * 64].view(37, 9, 64)
@@ -372,7 +373,7 @@ def test_rope_store_kv_rotates_and_writes_what_the_unfused_path_does(dtype):
     slice gives): q as rotary_embedding returns it, the rotated k and the v written at their
     slots (slot -1 skipped) and every other slot untouched; a slot out of range raises before
     anything is written."""
-    rope_store, rotate = cpu_ops.rope_store_kv(), cpu_ops.rotary_embedding()
+    rope_store, rotate = cpu.op("rope_store_kv"), cpu.op("rotary_embedding")
     gen = torch.Generator().manual_seed(12)
     heads, kv_heads, dim, rows = 6, 2, 64, 9
     wide = torch.randn(rows, (heads + 2 * kv_heads) * dim + 8, generator=gen).to(dtype)
@@ -410,7 +411,7 @@ def test_cpu_bf16_attention_uses_the_fused_rope_store(tiny_model):
     from tritonserve.engine import LLM, SamplingParams
     calls = []
     fused = torch.ops.tritonserve.rope_store_kv
-    backend = TorchAttention(torch.device("cpu"))
+    backend = CpuAttention()
     assert backend.rope_store(torch.empty(1, 8, dtype=torch.bfloat16)) is fused
     assert backend.rope_store(torch.empty(1, 8, dtype=torch.float32)) is None
     llm = LLM(tiny_model, dtype="bfloat16", max_num_seqs=2, decode_mode="eager")

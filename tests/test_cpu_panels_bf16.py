@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonserve.kernels import cpu_ops, reference
+from tritonserve.kernels import cpu, reference
 from tests.test_cpu_ops import needs_op
 
 
@@ -33,7 +33,7 @@ def _bf16_product_once(rows: int, n: int, k: int):
     """Random x [rows, k], weight [n, k] and a bias, packed; asserts packed_linear_bf16 gives
     the float64 product (+ bias) rounded to bf16 within one bf16 step and the fp32 sum's error,
     with and without the bias; returns (x, weight, panels)."""
-    pack, product = cpu_ops.packed_linear_bf16()
+    pack, product = cpu.panel_ops(torch.bfloat16)
     generator = torch.Generator().manual_seed(rows * 1000 + k)
     x = torch.randn(rows, k, generator=generator).bfloat16()
     weight = (torch.randn(n, k, generator=generator) / k ** 0.5).bfloat16()
@@ -56,12 +56,12 @@ def _bf16_product_once(rows: int, n: int, k: int):
 def amx_tiles(request):
     """The bf16 panel matmuls with AMX tiles off, then on (skipped where the CPU, the OS or
     the build has none); restored after."""
-    before = cpu_ops.amx_enabled()
-    if cpu_ops.set_amx(request.param) != request.param:
-        cpu_ops.set_amx(before)
+    before = cpu.amx_enabled()
+    if cpu.set_amx(request.param) != request.param:
+        cpu.set_amx(before)
         pytest.skip("no AMX-BF16 here")
     yield request.param
-    cpu_ops.set_amx(before)
+    cpu.set_amx(before)
 
 
 @needs_op
@@ -77,14 +77,14 @@ def test_bf16_panels_on_amx_tiles_round_the_exact_product_once(amx_tiles, rows, 
     and the fp32 sum's error, as test_bf16_panels_round_the_exact_product_once asks; with
     the tiles on, rows past M (a partial last tile) never reach the output, and the gate/up
     epilogue matches the unfused path through the same tiles."""
-    assert cpu_ops.amx_enabled() == amx_tiles
-    pack, product = cpu_ops.packed_linear_bf16()
+    assert cpu.amx_enabled() == amx_tiles
+    pack, product = cpu.panel_ops(torch.bfloat16)
     x, weight, panels = _bf16_product_once(rows, n, k)
     generator = torch.Generator().manual_seed(rows + n)
     # a row's result does not depend on the rows around it (the tail's padding included)
     assert torch.equal(product(x[:rows - 1], panels, n, None), product(x, panels, n, None)[:-1])
     inter = 16 * (n // 16 + 1)
-    pack_gate_up, fused = cpu_ops.packed_linear_silu_mul_bf16()
+    pack_gate_up, fused = (cpu.pack_gate_up_bf16, cpu.op("packed_linear_silu_mul_bf16"))
     gate_up = (torch.randn(2 * inter, k, generator=generator) * 4 / k ** 0.5).bfloat16()
     unfused = reference.silu_and_mul(product(x * 3, pack(gate_up), 2 * inter, None))
     diff = (fused(x * 3, pack_gate_up(gate_up)).double() - unfused.double()).abs()
@@ -94,7 +94,7 @@ def test_bf16_panels_on_amx_tiles_round_the_exact_product_once(amx_tiles, rows, 
 
 @needs_op
 def test_bf16_panels_refuse_mismatched_inputs():
-    pack, product = cpu_ops.packed_linear_bf16()
+    pack, product = cpu.panel_ops(torch.bfloat16)
     panels = pack(torch.randn(40, 16).bfloat16())
     with pytest.raises(RuntimeError, match="K = x.size"):
         product(torch.randn(2, 18).bfloat16(), panels, 40, None)
@@ -116,13 +116,13 @@ def test_bf16_gate_up_epilogue_matches_the_unfused_path(rows, inter, k):
     bf16, the product rounded), so every element matches it within one bf16 step, almost all
     exactly (the two exp implementations may differ in fp32's last bit). Inputs large enough
     that silu saturates at both ends."""
-    pack, fused = cpu_ops.packed_linear_silu_mul_bf16()
+    pack, fused = (cpu.pack_gate_up_bf16, cpu.op("packed_linear_silu_mul_bf16"))
     generator = torch.Generator().manual_seed(rows * 100 + inter)
     x = (torch.randn(rows, k, generator=generator) * 3).bfloat16()
     weight = (torch.randn(2 * inter, k, generator=generator) * 4 / k ** 0.5).bfloat16()
     out = fused(x, pack(weight))
     assert out.shape == (rows, inter) and out.dtype == torch.bfloat16
-    pack_plain, product = cpu_ops.packed_linear_bf16()
+    pack_plain, product = cpu.panel_ops(torch.bfloat16)
     unfused = reference.silu_and_mul(product(x, pack_plain(weight), 2 * inter, None))
     diff = (out.double() - unfused.double()).abs()
     step = unfused.double().abs().clamp_min(1e-30).log2().floor().exp2() / 128
@@ -138,14 +138,14 @@ def test_bf16_panels_do_not_depend_on_the_work_split(threads, rows, n):
     the others' from their back (owned_panels.h): whoever computes a panel, every output is
     the one a single thread writes, and no panel is skipped (more threads than cores, panel
     counts that do not split evenly; bf16, its gate/up epilogue, and fp32)."""
-    pack, product = cpu_ops.packed_linear_bf16()
-    pack_gate_up, fused = cpu_ops.packed_linear_silu_mul_bf16()
+    pack, product = cpu.panel_ops(torch.bfloat16)
+    pack_gate_up, fused = (cpu.pack_gate_up_bf16, cpu.op("packed_linear_silu_mul_bf16"))
     generator = torch.Generator().manual_seed(rows + n)
     x = torch.randn(rows, 96, generator=generator).bfloat16()
     weight = (torch.randn(n, 96, generator=generator) / 10).bfloat16()
     gate_up = (torch.randn(2 * 48 * (n // 48 + 1), 96, generator=generator) / 10).bfloat16()
     panels, gate_up_panels = pack(weight), pack_gate_up(gate_up)
-    pack32, product32 = cpu_ops.packed_linear()
+    pack32, product32 = cpu.panel_ops(torch.float32)
     panels32 = pack32(weight.float())
     ops = [lambda: product(x, panels, n, None), lambda: fused(x, gate_up_panels),
            lambda: product32(x.float(), panels32, n, None)]
@@ -163,7 +163,7 @@ def test_bf16_panels_do_not_depend_on_the_work_split(threads, rows, n):
 
 @needs_op
 def test_bf16_gate_up_packing_refuses_what_the_epilogue_cannot_take():
-    pack, fused = cpu_ops.packed_linear_silu_mul_bf16()
+    pack, fused = (cpu.pack_gate_up_bf16, cpu.op("packed_linear_silu_mul_bf16"))
     with pytest.raises(ValueError, match="I % 16"):
         pack(torch.randn(2 * 24, 8).bfloat16())  # I = 24
     with pytest.raises(ValueError, match="bf16"):

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from tritonserve.engine import LLM, SamplingParams
-from tritonserve.engine.attention import AttentionMetadata, TorchAttention
+from tritonserve.engine.attention import AttentionMetadata, CpuAttention
 from tritonserve.engine.config import EngineConfig
 from tritonserve.engine.decode_graphs import DecodeGraphs, bucket_sizes
 from tritonserve.engine.models import ForwardContext, ModelArch
 from tritonserve.engine.models.loader import build_model
-from tritonserve.kernels import cpu_ops
+from tritonserve.kernels import cpu
 from tests.parity import TIE_GAP_BF16, assert_parity, hf_greedy
 from tests.test_engine_parity import mixed_prompts, run_and_compare
 from tests.tiny_models import write_tiny_model
@@ -74,7 +74,7 @@ def test_padding_rows_write_only_the_null_block(tiny_model):
     caches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
               for _ in range(arch.num_layers)]
     before = [(k.clone(), v.clone()) for k, v in caches]
-    graphs = DecodeGraphs(model, caches, TorchAttention(torch.device("cpu")),
+    graphs = DecodeGraphs(model, caches, CpuAttention(),
                           null_block=num_blocks, block_size=block_size, sizes=[8, 1, 4],
                           max_model_len=64, mode="static")
     # three sequences of 20, 5 and 33 tokens in bucket 4: one padding row
@@ -98,23 +98,16 @@ def test_padding_rows_write_only_the_null_block(tiny_model):
     # the same step through the model directly, without buckets or padding
     with torch.inference_mode():
         direct = model(ids, lens.long() - 1,
-                       ForwardContext(meta, before, TorchAttention(torch.device("cpu"))))
+                       ForwardContext(meta, before, CpuAttention()))
     torch.testing.assert_close(hidden, direct)
 
 
-def test_decode_mode_choices_and_enforce_eager(tiny_model, shipped_defaults):
+def test_decode_mode_choices_and_enforce_eager(tiny_model):
     from tritonserve.server.__main__ import parse_args
     assert parse_args([]).decode_mode == EngineConfig.decode_mode == "auto"
     assert parse_args(["--enforce-eager"]).decode_mode == "eager"
-    assert parse_args(["--decode-mode", "static"]).decode_mode == "static"
-    # the CPU default (measured): the layers op in fp32 and bf16 (compiled where it does not
-    # take the model), eager in fp16 (plain weights) or with the triton kernels
-    assert EngineConfig(dtype="float32").resolved_decode_mode == "layers"
-    assert EngineConfig(dtype="bfloat16").resolved_decode_mode == "layers"
-    assert EngineConfig(dtype="float16").resolved_decode_mode == "eager"
-    assert EngineConfig(dtype="float32", attention_backend="triton").resolved_decode_mode \
-        == "eager"
-    assert EngineConfig(device="cuda").resolved_decode_mode == "cudagraph"
+    with pytest.raises(SystemExit):  # a test fixture, not a mode users choose
+        parse_args(["--decode-mode", "static"])
     with pytest.raises(ValueError, match="decode_mode"):
         EngineConfig(decode_mode="cudagraph")  # needs CUDA
     with pytest.raises(ValueError, match="decode_mode"):
@@ -140,8 +133,8 @@ def test_decode_mode_choices_and_enforce_eager(tiny_model, shipped_defaults):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(cpu_ops.paged_decode_attention() is None, reason="no C++ toolchain")
-def test_compiled_decode_matches_transformers(tiny_model, shipped_defaults, tmp_path):
+@pytest.mark.skipif(cpu.op("paged_decode_attention") is None, reason="no C++ toolchain")
+def test_compiled_decode_matches_transformers(tiny_model, tmp_path):
     """The compiled step in fp32 (`layers`' fallback): Inductor compiles the forward (fullgraph: the attention, KV
     write, C++ decode and the panel matmuls are tritonserve ops) into two graphs, batch 1 and a
     dynamic batch 2..4: steps of 3 rows run at 3 with no padding and no further compile; fp32
@@ -173,17 +166,17 @@ def test_compiled_decode_matches_transformers(tiny_model, shipped_defaults, tmp_
                   hf_greedy(other, prompts, 12, set(again.engine.eos_token_ids)))
 
 
-def test_compiled_bf16_decode_matches_transformers_in_bf16(tiny_model, shipped_defaults):
+def test_compiled_bf16_decode_matches_transformers_in_bf16(tiny_model):
     """The compiled step in bf16 (what `auto` runs where layers does not take the model: the
     tiny model's head size has no bf16 attention instance): every
     projection on the bf16 panels (kernels/cpu/linear_bf16.cpp) inside the graph. Against
     transformers in bf16 with the bf16 tie rule (tests/parity.py: a divergence only where the
     reference's top two logits lie within one bf16 step), as the eager bf16 parity test."""
-    from tritonserve.engine.models.linear import Linear, can_pack_panels
+    from tritonserve.engine.models.linear import Linear, has_form
     llm = LLM(tiny_model, dtype="bfloat16", max_num_seqs=4)
     graphs, model = llm.engine.runner.graphs, llm.engine.runner.model
     assert graphs.mode == "compile"
-    if can_pack_panels(model.embed_tokens.weight):
+    if has_form("panels", torch.bfloat16):
         assert all(m.weight.dim() == 4 for m in model.modules() if isinstance(m, Linear))
     calls = count_graph_runs(llm)
     prompts = mixed_prompts(llm.tokenizer, count=7, seed=4)

@@ -12,15 +12,15 @@ import torch
 
 from tritonserve.engine import LLM, SamplingParams
 from tritonserve.engine.config import EngineConfig
-from tritonserve.kernels import cpu_ops
+from tritonserve.kernels import cpu
 from tests.parity import TIE_GAP_BF16, assert_parity, hf_greedy
 from tests.test_engine_parity import mixed_prompts
 from tests.tiny_models import write_tiny_model
 
 # the op's attention has instances for head sizes 64 and 128 (the tiny test model's is 16)
-needs_op = pytest.mark.skipif(cpu_ops.decode_layers(torch.bfloat16, 64, 2, 16) is None,
+needs_op = pytest.mark.skipif(cpu.decode_layers(torch.bfloat16, 64, 2, 16) is None,
                               reason="no AVX512-BF16 build of the C++ ops")
-needs_fp32_op = pytest.mark.skipif(cpu_ops.decode_layers(torch.float32, 16, 2, 16) is None,
+needs_fp32_op = pytest.mark.skipif(cpu.decode_layers(torch.float32, 16, 2, 16) is None,
                                    reason="no C++ toolchain")
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2,
              num_key_value_heads=1)
@@ -120,19 +120,16 @@ def test_the_fp32_op_stays_within_rounding_of_the_eager_step(tiny_models):
 
 
 @needs_op
-def test_layers_is_the_cpu_default_and_matches_transformers_in_bf16(op_models,
-                                                                    shipped_defaults):
+def test_layers_is_the_cpu_default_and_matches_transformers_in_bf16(op_models):
     """`auto` on the CPU (fp32 and bf16): no graph to build, every decode step through the
     op, and bf16 greedy output against transformers in bf16 under the bf16 tie rule
     (tests/parity.py)."""
-    assert EngineConfig(dtype="bfloat16").resolved_decode_mode == "layers"
-    assert EngineConfig(dtype="float32").resolved_decode_mode == "layers"
     llm = LLM(op_models["llama"], dtype="bfloat16", max_num_seqs=4)
     runner = llm.engine.runner
     assert runner.decode_mode == "layers" and runner.graphs is None
     calls = []
-    layers = runner.decode_layers
-    runner.decode_layers = lambda ids, *rest: calls.append(ids.shape[0]) or layers(ids, *rest)
+    layers = runner.decode_step
+    runner.decode_step = lambda ids, *rest: calls.append(ids.shape[0]) or layers(ids, *rest)
     prompts = mixed_prompts(llm.tokenizer, count=7, seed=4)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
     assert calls and max(calls) == 4
@@ -142,15 +139,15 @@ def test_layers_is_the_cpu_default_and_matches_transformers_in_bf16(op_models,
     assert len(ties) <= len(prompts) // 2, ties
 
 
-def test_layers_gives_way_where_it_does_not_take_the_model(tiny_model, tiny_models,
-                                                           shipped_defaults, caplog):
+def test_layers_gives_way_where_it_does_not_take_the_model(tiny_model, tiny_models, caplog):
     """The tiny model's head size (16) has no bf16 attention instance: `auto` runs the
     compiled step instead and says why; asked for by name, layers refuses, naming
     decode_mode (so does a model with q/k norms, in any dtype); it is a CPU mode."""
     with caplog.at_level("INFO", logger="tritonserve.engine"):
         llm = LLM(tiny_model, dtype="bfloat16", max_num_seqs=2)
-    assert llm.engine.runner.decode_mode == "compile" and llm.engine.runner.decode_layers is None
-    assert "decode_mode layers does not take" in caplog.text
+    assert llm.engine.runner.decode_mode == "compile"
+    assert "decode compile (auto; layers does not take LlamaForCausalLM in bfloat16: no " \
+        "instance for head size 16" in caplog.text
     with pytest.raises(ValueError, match="decode_mode 'layers'"):
         LLM(tiny_model, dtype="bfloat16", decode_mode="layers")
     with pytest.raises(ValueError, match="decode_mode 'layers'"):
@@ -166,7 +163,7 @@ def test_fp32_layers_is_token_identical_to_transformers(tiny_models, arch):
     steps: token-identical to transformers (the fp32 tie rule), as the eager and compiled
     fp32 paths are."""
     llm = LLM(tiny_models[arch], dtype="float32", decode_mode="layers", max_num_seqs=4)
-    assert llm.engine.runner.decode_layers is not None
+    assert llm.engine.runner.decode_mode == "layers"
     prompts = mixed_prompts(llm.tokenizer, count=7, seed=5)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=14))
     assert_parity([o.token_ids for o in outs],
@@ -181,7 +178,7 @@ def test_the_op_refuses_bad_metadata_before_writing(op_models):
               num_blocks=8)
     runner = llm.engine.runner
     model, caches = runner.model, runner.kv_caches
-    op = cpu_ops.decode_layers(torch.bfloat16, 64, 2, 16)
+    op = cpu.decode_layers(torch.bfloat16, 64, 2, 16)
     args = _op_args(model, caches, torch.tensor([3, 36]), torch.tensor([4, 5], dtype=torch.int32))
     before = [(k.clone(), v.clone()) for k, v in caches]
     slots = caches[0][0].shape[0] * caches[0][0].shape[1]
@@ -242,7 +239,7 @@ def test_the_op_does_not_depend_on_the_thread_count(op_models, dtype):
     args = _op_args(runner.model, runner.kv_caches, torch.tensor([3, 36]),
                     torch.tensor([4, 5], dtype=torch.int32))
     args["biases"] = [layer.self_attn.qkv_proj.bias for layer in runner.model.layers]
-    op = cpu_ops.decode_layers(getattr(torch, dtype), 64, 2, 16)
+    op = cpu.decode_layers(getattr(torch, dtype), 64, 2, 16)
     threads = torch.get_num_threads()
     results = []
     try:
@@ -261,30 +258,29 @@ def test_the_op_does_not_depend_on_the_thread_count(op_models, dtype):
 
 
 @needs_op
-def test_the_phase_timing_covers_each_call_and_stays_off_unless_asked(op_models,
-                                                                      shipped_defaults):
+def test_the_phase_timing_covers_each_call_and_stays_off_unless_asked(op_models):
     """decode_layers_timing(True): every later call adds each thread's time to the six phases
     (norm, qkv, attention, o, gate/up, down), as work and as barrier waits, never more than
     the calls' wall time; off, the totals stop moving (kernels/cpu/phase_clock.h)."""
     import time
     llm = LLM(op_models["llama"], dtype="bfloat16", max_num_seqs=4)
-    assert llm.engine.runner.decode_layers is not None
+    assert llm.engine.runner.decode_mode == "layers"
     prompts = mixed_prompts(llm.tokenizer, count=3, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm.generate(prompts, params)  # prefill, warm-up
-    assert cpu_ops.decode_layers_timing(True)
+    assert cpu.decode_layers_timing(True)
     try:
         start = time.perf_counter()
         llm.generate(prompts, params)
         wall = time.perf_counter() - start
-        totals, calls = cpu_ops.decode_layers_phases()
+        totals, calls = cpu.decode_layers_phases()
     finally:
-        cpu_ops.decode_layers_timing(False)
+        cpu.decode_layers_timing(False)
     threads = torch.get_num_threads()
     assert calls >= 5  # at least the 5 decode steps after each prefill
-    assert totals.shape == (threads, len(cpu_ops.DECODE_PHASES), 2)
+    assert totals.shape == (threads, len(cpu.DECODE_PHASES), 2)
     assert (totals[0, :, 0] > 0).all()  # thread 0 worked in every phase
     assert (totals >= 0).all() and (totals.sum(dim=(1, 2)) <= wall).all()
     llm.generate(prompts, params)
-    after, calls_after = cpu_ops.decode_layers_phases()
+    after, calls_after = cpu.decode_layers_phases()
     assert calls_after == calls and torch.equal(after, totals)

@@ -1,7 +1,7 @@
 """A bounded fuzz over the three routes: whatever the body, the answer is never a 5xx, a
 served stream never ends with an engine error, and a normal request still streams correctly
 afterwards. FUZZ_EXAMPLES (default 150 per route) raises the count for a longer run
-(docs/benchmarks.md has the figure of the last one)."""
+(docs/perf-log/2026-11-engine-and-serving.md has the figure of the last one)."""
 from __future__ import annotations
 
 import json

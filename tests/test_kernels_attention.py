@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonserve import kernels
+from tritonserve.kernels import triton as kernels
 
 from tritonserve.kernels import reference
 
@@ -213,7 +213,7 @@ def test_store_kv_cache_exact_and_skips_padding(dtype, device):
 
 
 def test_prefill_autotuner_keeps_each_dtypes_space():
-    from tritonserve.kernels import prefill_attention as pa
+    from tritonserve.kernels.triton import prefill_attention as pa
     configs = pa._tuned_prefill_kernel.configs
     for fp32 in (True, False):
         kept = pa._prune(configs, {}, FP32=fp32)

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from tritonserve.kernels import prefill_attention
+from tritonserve.kernels.triton import prefill_attention
 
 
 @pytest.mark.slow
 def test_all_kernels_compile_for_hopper():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tritonserve.kernels.compile_check", "--arch",
+    proc = subprocess.run([sys.executable, "-m", "tritonserve.kernels.triton.compile_check", "--arch",
                            "90"], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ok  sm_90")]

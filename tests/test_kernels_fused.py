@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tritonserve import kernels
+from tritonserve.kernels import triton as kernels
 
-from tritonserve.kernels import cpu_ops, reference
+from tritonserve.kernels import cpu, reference
 
-CPU_OPS = cpu_ops.fused_ops()
+CPU_OPS = (cpu.op("add_rms_norm"), cpu.op("silu_and_mul"))
 IMPLS = {"triton": (kernels.add_rms_norm, kernels.silu_and_mul),
          "reference": (reference.add_rms_norm, reference.silu_and_mul)}
 if CPU_OPS is not None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonserve import kernels
+from tritonserve.kernels import triton as kernels
 
-from tritonserve.kernels import cpu_ops, reference
+from tritonserve.kernels import cpu, reference
 
 SAMPLERS = {"triton": kernels.sample, "torch": reference.sample}
 # chi-square 0.999 quantiles by degrees of freedom (fixed seeds: the test is deterministic)
@@ -163,7 +163,7 @@ def test_seeded_uniforms_are_counter_based():
     assert chi2 < 27.88  # 9 dof, 0.999
 
 
-CPP_DRAW = cpu_ops.sample_softmax()
+CPP_DRAW = cpu.op("sample_softmax")
 needs_cpp = pytest.mark.skipif(CPP_DRAW is None, reason="no C++ toolchain: the torch path serves")
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from tritonserve.engine import LLM, SamplingParams
 from tritonserve.engine.models import ModelArch, WeightLoadError, build_model
-from tritonserve.kernels import cpu_ops
+from tritonserve.kernels import cpu
 
 
 def copy_with(tiny_model, tmp_path, edit):
@@ -133,18 +133,16 @@ def test_linear_matches_float64(dtype, tolerance, packed, rows):
     a k-chunk of 256 plus a remainder; 7 and 37 rows cover full and partial 6-row tiles (2, 7
     and 16 with the first tile prefetching the next chunk, past the last panel's end too), 300
     two of the panels' row blocks (216 + 84 rows of 301 floats: 256 KB blocks)."""
-    from tritonserve.engine.models.linear import (can_pack_panels, can_prepack, linear, pack_panels,
-                                                  prepack_weight)
+    from tritonserve.engine.models.linear import has_form, linear, pack
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 301, generator=generator).to(dtype)
     weight = torch.randn(165, 301, generator=generator).to(dtype) / 10
     bias = torch.randn(165, generator=generator).to(dtype)
-    if packed == "onednn" and not can_prepack(weight):
+    if packed == "onednn" and not has_form("onednn", dtype):
         pytest.skip("oneDNN cannot prepack this dtype on this CPU")
-    if packed == "panels" and not can_pack_panels(weight):
+    if packed == "panels" and not has_form("panels", dtype):
         pytest.skip("the C++ CPU ops are unavailable")
-    used = {None: weight, "onednn": prepack_weight(weight, 64) if packed else weight,
-            "panels": pack_panels(weight) if packed == "panels" else weight}[packed]
+    used = weight if packed is None else pack(weight, packed, 64)
     for b in (None, bias):
         with torch.inference_mode():
             out = linear(x, used, b, out_features=165)
@@ -160,10 +158,11 @@ def test_bf16_mlp_applies_silu_in_the_matmul(tiny_model):
     (MLP.fuse_silu) and gives what the unfused gate/up, silu_and_mul, down path gives."""
     import copy
 
-    from tritonserve.engine.models.decoder import MLP, silu_and_mul
+    from tritonserve.engine.models.decoder import MLP
+    from tritonserve.engine.models.ops import silu_and_mul
     model = LLM(tiny_model, dtype="bfloat16").engine.runner.model
     mlps = [m for m in model.modules() if isinstance(m, MLP)]
-    if cpu_ops.packed_linear_silu_mul_bf16() is None:
+    if cpu.op("packed_linear_silu_mul_bf16") is None:
         assert not any(m.silu_in_matmul for m in mlps)
         pytest.skip("the C++ CPU ops are unavailable")
     assert mlps and all(m.silu_in_matmul for m in mlps)
@@ -200,33 +199,34 @@ def test_linear_keeps_gradients_right_outside_inference_mode():
 
 
 def test_prepacked_weights_refuse_inputs_that_need_gradients():
-    from tritonserve.engine.models.linear import linear, pack_weight
+    from tritonserve.engine.models.linear import has_form, linear, pack
     weight = torch.randn(8, 4)
-    packed = pack_weight(weight, 8)
-    if packed is None:
+    forms = [f for f in ("panels", "onednn") if has_form(f, weight.dtype)]
+    if not forms:
         pytest.skip("no packed CPU weights here")
+    packed = pack(weight, forms[0], 8)
     with pytest.raises(RuntimeError, match="inference only"):
         linear(torch.randn(3, 4, requires_grad=True), packed, out_features=8)
 
 
 def test_panel_weights_need_out_features():
-    from tritonserve.engine.models.linear import can_pack_panels, linear, pack_panels
+    from tritonserve.engine.models.linear import has_form, linear, pack
     weight = torch.randn(20, 4)
-    if not can_pack_panels(weight):
+    if not has_form("panels", weight.dtype):
         pytest.skip("the C++ CPU ops are unavailable")
     with torch.inference_mode(), pytest.raises(ValueError, match="out_features"):
-        linear(torch.randn(3, 4), pack_panels(weight))
+        linear(torch.randn(3, 4), pack(weight, "panels", 0))
 
 
 def test_cpu_engine_runs_on_prepacked_weights(tiny_model):
     """The fast path is the one the parity tests exercise: every projection is packed (C++
     panels for fp32 when the library is built, else oneDNN's layout)."""
-    from tritonserve.engine.models.linear import Linear, can_pack_panels, can_prepack
+    from tritonserve.engine.models.linear import Linear, has_form
     model = LLM(tiny_model).engine.runner.model
     plain = model.embed_tokens.weight
-    if can_pack_panels(plain):
+    if has_form("panels", plain.dtype):
         is_packed = lambda w: w.dim() == 3  # noqa: E731  (fp32 panels)
-    elif can_prepack(plain):
+    elif has_form("onednn", plain.dtype):
         is_packed = lambda w: w.is_mkldnn  # noqa: E731
     else:
         pytest.skip("no packed CPU weights here")

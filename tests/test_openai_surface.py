@@ -164,6 +164,9 @@ def test_tokenize_detokenize_version(server):
     assert status == 400
     status, _, raw = request(server.port, "GET", "/version")
     assert status == 200 and re.match(r"\d", json.loads(raw)["version"])
+    plan = json.loads(raw)["decode_plan"]  # what this server's steps run, and why
+    assert set(plan) == {"mode", "weights", "attention", "draw", "why_mode", "why_weights"}
+    assert plan["mode"] in ("layers", "compile", "eager") and plan["why_mode"]
 
 
 def test_n_choices_prefill_the_prompt_once(tiny_model):

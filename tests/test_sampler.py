@@ -121,7 +121,7 @@ def _sample_args(batch: int = 5, vocab: int = 64, seed: int = 3):
 def test_sample_op_matches_the_kernel_it_names(backend):
     """tritonserve::sample is the registered door to both samplers: the same tokens as the
     direct call (the Triton one interpreted here, on CUDA in tritonserve/bench/gpu_check.sh)."""
-    from tritonserve import kernels
+    from tritonserve.kernels import triton as kernels
     from tritonserve.kernels import reference
     args = _sample_args()
     direct = (kernels.sample if backend == "triton" else reference.sample)(*args)

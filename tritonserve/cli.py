@@ -32,7 +32,7 @@ def bench(argv: list[str]) -> int:
 
 
 def build_ops(argv: list[str]) -> int:
-    from tritonserve.kernels.cpu_ops import main
+    from tritonserve.kernels.cpu import main
     return main(argv)
 
 

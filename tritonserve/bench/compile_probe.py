@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from tritonserve.engine.attention import AttentionMetadata, TorchAttention
+from tritonserve.engine.attention import AttentionMetadata, CpuAttention
 from tritonserve.engine.default_model import default_model_path
 from tritonserve.engine.models import ForwardContext, ModelArch
 from tritonserve.engine.models.loader import build_model
@@ -57,12 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     arch = ModelArch.from_folder(path)
     batches = [int(b) for b in args.batches.split(",")]
     eager = build_model(arch, path, torch.float32, torch.device("cpu"), args.context + 1)
-    eager.prepack_weights(batch_hint=max(batches))
+    eager.prepack_weights("panels", batch_hint=max(batches))
     plain = build_model(arch, path, torch.float32, torch.device("cpu"), args.context + 1)
     blocks = max(batches) * -(-args.context // args.block_size)
     shape = (blocks, args.block_size, arch.num_kv_heads, arch.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(arch.num_layers)]
-    backend = TorchAttention(torch.device("cpu"))
+    backend = CpuAttention()
     print(f"SmolLM2 fp32, decode-only batches, context {args.context}, "
           f"{torch.get_num_threads()} threads")
     print("| batch | eager ms/step | compiled ms/step | speed-up | compile s | max logit diff |")

@@ -19,7 +19,7 @@ import time
 import torch
 
 from tritonserve.engine.attention import bucketed_decode_attention
-from tritonserve.kernels import cpu_ops
+from tritonserve.kernels import cpu
 
 
 def _median_s(fn, calls: int, flush: torch.Tensor | None) -> float:
@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prompt-pages", type=int, default=4, help="engine layout: a prompt's pages")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    op = cpu_ops.paged_decode_attention()
+    op = cpu.op("paged_decode_attention")
     if op is None:
         print("the C++ op is not available (see the log line): nothing to compare")
         return 1

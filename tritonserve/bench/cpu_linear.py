@@ -58,10 +58,10 @@ def main(argv: list[str]) -> int:
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     flops_per_row = 2 * sum(w.numel() for w in weights)
     forms = {}
-    if lin.can_pack_panels(weights[0]):
-        forms["panels (C++)"] = [lin.pack_panels(w) for w in weights]
-    if lin.can_prepack(weights[0]):
-        forms["oneDNN prepacked"] = [lin.prepack_weight(w, args.batch_hint) for w in weights]
+    if lin.has_form("panels", dtype):
+        forms["panels (C++)"] = [lin.pack(w, "panels", 0) for w in weights]
+    if lin.has_form("onednn", dtype):
+        forms["oneDNN prepacked"] = [lin.pack(w, "onednn", args.batch_hint) for w in weights]
     if not forms:
         print("neither the C++ panels nor oneDNN are available here: nothing to compare")
         return 1

@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from tritonserve import kernels
+from tritonserve.kernels import triton as kernels
 
 from tritonserve.kernels import reference
-from tritonserve.kernels._common import interpreting
+from tritonserve.kernels.triton._common import interpreting
 
 from .sampling_baselines import sampling_rows
 

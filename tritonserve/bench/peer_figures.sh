@@ -9,7 +9,7 @@
 # Every server is started first and stays up (each idles while another is measured); then
 # each cell (streams x sampling) runs on every server back to back, the order turning from
 # one cell to the next, so a pair of figures is minutes apart, not a whole server's run:
-# this machine's memory bandwidth moved 29-69 GB/s within a session (seventeenth), and with
+# this machine's memory bandwidth moved 29-69 GB/s within an hour, and with
 # one server after the other a ratio carried that drift. The machine's floor and ceiling are
 # measured before the first cell and after the last.
 set -euo pipefail
@@ -23,7 +23,7 @@ model=$($py -c "from tritonserve.engine.default_model import default_model_path;
 export VLLM_TARGET_DEVICE=cpu  # an AVX2-only CPU: platform detection fails without it
 # Every run draws its own prompts (--seed): with one seed for all, the greedy run asked for the
 # default run's prompts again and both servers found them in their prefix caches (ours: TTFT
-# p50 at 64 streams 358 ms greedy against 641-729 default; twelfth session).
+# p50 at 64 streams 358 ms greedy against 641-729 default; docs/perf-log/2026-cpu-decode.md).
 bench() {  # name port concurrency prompts output_len seed extra...
   local name=$1 port=$2 c=$3 n=$4 len=$5 seed=$6; shift 6
   $vpy -m vllm.entrypoints.cli.main bench serve --backend vllm --base-url "http://127.0.0.1:$port" \

@@ -8,7 +8,7 @@ Adds the prompts, steps until every one is decoding, times --steps decode steps,
 --profile-steps more under torch.profiler and prints the share of each phase of the step
 (prepare, forward, logits, sampler) and the per-op table (self CPU time); with the CPU's
 layers decode, --profile-steps more with decode_layers' own phases timed per thread. Every
-decode-step figure in docs/benchmarks.md was found this way. --ab-direct N (compiled decode)
+decode-step figure in docs/perf-log/ was found this way. --ab-direct N (compiled decode)
 then times blocks of N steps with the compiled graph called directly and through Dynamo, in
 the order ABBA ABBA ... (the contexts grow during the run; this order cancels a linear trend),
 and prints each side's median block.
@@ -19,7 +19,7 @@ import argparse
 import statistics
 import time
 
-from tritonserve.engine.config import DECODE_MODES, DTYPE_CHOICES, EngineConfig
+from tritonserve.engine.config import CLI_DECODE_MODES, DTYPE_CHOICES, EngineConfig
 
 from .throughput import add_workload_args, make_prompts, prompt_lengths
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--greedy", action="store_true", help="temperature 0")
     parser.add_argument("--decode-mode", default=EngineConfig.decode_mode,
-                        choices=DECODE_MODES)
+                        choices=CLI_DECODE_MODES)
     parser.add_argument("--decode-buckets", default="",
                         help="comma-separated sizes (default: the batch size alone)")
     parser.add_argument("--ab-direct", type=int, default=0, metavar="N",
@@ -87,13 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     # every op the dispatcher ran (aten, the tritonserve ops, nested calls included); a
     # compiled region counts its generated kernels instead
     ops = sum(e.count for e in averages if "::" in e.key) / args.profile_steps
-    print(f"dispatched ops per step: {ops:.0f} (decode mode "
-          f"{llm.engine.runner.decode_mode}, {llm.engine.config.dtype})")
+    print(f"dispatched ops per step: {ops:.0f} ({llm.engine.config.dtype}; "
+          f"{llm.engine.runner.plan.describe()})")
     print(f"phases of a profiled step ({profiled_ms:.1f} ms, profiler on): " + ", ".join(
         f"{name} {phases.get(name, 0.0):.1f} ms ({phases.get(name, 0.0) / profiled_ms:.1%})"
         for name in PHASES))
     print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
-    if engine.runner.decode_layers is not None:
+    if engine.runner.plan.mode == "layers":
         print_layer_phases(engine, args.profile_steps)
     if args.ab_direct:
         graphs = engine.runner.graphs
@@ -113,15 +113,15 @@ AB_ROUNDS = 4
 def print_layer_phases(engine, steps: int) -> None:
     """decode_layers' own phases over `steps` more steps (kernels/cpu/phase_clock.h): per
     thread, ms a step of work and of waiting at the phase's barrier."""
-    from tritonserve.kernels import cpu_ops
-    if not cpu_ops.decode_layers_timing(True):
+    from tritonserve.kernels import cpu
+    if not cpu.decode_layers_timing(True):
         return
     try:
         for _ in range(steps):
             engine.step()
-        totals, calls = cpu_ops.decode_layers_phases()
+        totals, calls = cpu.decode_layers_phases()
     finally:
-        cpu_ops.decode_layers_timing(False)
+        cpu.decode_layers_timing(False)
     if calls == 0:
         return
     per_step = totals * 1e3 / calls  # [threads, phases, 2] ms
@@ -129,7 +129,7 @@ def print_layer_phases(engine, steps: int) -> None:
     for t, row in enumerate(per_step.tolist()):
         print(f"  thread {t}: " + ", ".join(
             f"{name} {busy:.2f} / {wait:.2f}"
-            for name, (busy, wait) in zip(cpu_ops.DECODE_PHASES, row))
+            for name, (busy, wait) in zip(cpu.DECODE_PHASES, row))
             + f"; total {sum(b + w for b, w in row):.1f}")
 
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from tritonserve import kernels
+from tritonserve.kernels import triton as kernels
 
 from tritonserve.kernels import reference
 

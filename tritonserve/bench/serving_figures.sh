@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serving table of docs/benchmarks.md: SmolLM2 through HTTP (bench serve, native
+# The serving table (docs/perf-log/2026-11-engine-and-serving.md): SmolLM2 through HTTP (bench serve, native
 # route) at 16 and 64 concurrent streams, greedy, the server's default sampling
 # (temperature 1.0) and temperature 1.0 with top_p 0.95; and the same workload through the
 # offline engine (greedy and default sampling). 64 prompts of 100 random tokens, 128 output

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import DECODE_MODES, DTYPE_CHOICES, EngineConfig
+from .config import CLI_DECODE_MODES, DTYPE_CHOICES, EngineConfig
 from .llm import LLM
 from .sampling_params import SamplingParams
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPE_CHOICES)
     gen.add_argument("--device", default="cpu")
-    gen.add_argument("--decode-mode", default=EngineConfig.decode_mode, choices=DECODE_MODES)
+    gen.add_argument("--decode-mode", default=EngineConfig.decode_mode, choices=CLI_DECODE_MODES)
     gen.add_argument("--enforce-eager", dest="decode_mode", action="store_const", const="eager",
                      help="no start-up compile (a one-off generation rarely repays it)")
     args = parser.parse_args(argv)

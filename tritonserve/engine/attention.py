@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonserve import kernels
+from tritonserve.kernels import triton as kernels
 
-from tritonserve.kernels import cpu_ops, reference
+from tritonserve.kernels import cpu, reference
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,6 @@ class AttentionBackend:
                 max_q_len: int, scale: float) -> torch.Tensor:
         raise NotImplementedError
 
-    def _call_decode_traced(self, q, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
-                            scale):
-        return self.decode_traced(q, k_cache, v_cache, block_tables, seq_lens, scale)
-
     def rope_store(self, qkv: torch.Tensor):
         """A fused rope + store for this qkv projection output, or None (the model then
         rotates q and k itself and calls forward): called as fn(qkv [T, (H + 2 Hk) D], cos,
@@ -69,45 +65,63 @@ class AttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]
-
-        Eager, the methods run directly (a registered op costs 8-20 us more a call, measured);
-        under torch.compile the same work goes through the tritonserve ops, which the graph
-        keeps as opaque calls."""
-        if torch.compiler.is_compiling():
-            store = (self.store_kv_traced if self.store_kv_traced is not None
-                     else functools.partial(torch.ops.tritonserve.store_kv, backend=self.name))
-        else:
-            store = self.store_kv
-        store(k, v, k_cache, v_cache, meta.slot_mapping)
+        """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]"""
+        self.for_step().store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.attend(q, k_cache, v_cache, meta, scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """forward after its store: q [T, num_heads, head_dim] against the caches, which
         already hold this step's K/V."""
-        if torch.compiler.is_compiling():
-            ops, name = torch.ops.tritonserve, self.name
-            decode = (functools.partial(ops.decode_attention, backend=name)
-                      if self.decode_traced is None else self._call_decode_traced)
-            prefill = functools.partial(ops.prefill_attention, backend=name)
-        else:
-            decode, prefill = self.decode, self.prefill
+        impl = self.for_step()
         nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
         outputs = []
         if nd:
-            outputs.append(decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                  meta.decode_seq_lens, meta.decode_max_seq_len, scale))
+            outputs.append(impl.decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                       meta.decode_seq_lens, meta.decode_max_seq_len, scale))
         if nd < q.shape[0]:
-            outputs.append(prefill(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
-                                   meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
-                                   meta.prefill_max_q_len, scale))
+            outputs.append(impl.prefill(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+                                        meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
+                                        meta.prefill_max_q_len, scale))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def for_step(self) -> AttentionBackend:
+        """Itself, eager (a registered op costs 8-20 us more a call, measured); while
+        torch.compile traces, the same backend through the registered ops below, which the
+        graph keeps as opaque calls."""
+        return ThroughOps(self) if torch.compiler.is_compiling() else self
+
+
+class ThroughOps(AttentionBackend):
+    """A backend as a compiled graph calls it: each step through its registered op, or the
+    store / decode the backend lets the graph trace or call directly."""
+
+    def __init__(self, inner: AttentionBackend) -> None:
+        self.inner = inner
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        if self.inner.store_kv_traced is not None:
+            return self.inner.store_kv_traced(k, v, k_cache, v_cache, slot_mapping)
+        torch.ops.tritonserve.store_kv(k, v, k_cache, v_cache, slot_mapping,
+                                       backend=self.inner.name)
+
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale):
+        if self.inner.decode_traced is not None:
+            return self.inner.decode_traced(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return torch.ops.tritonserve.decode_attention(q, k_cache, v_cache, block_tables,
+                                                      seq_lens, max_seq_len, scale,
+                                                      backend=self.inner.name)
+
+    def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len,
+                scale):
+        return torch.ops.tritonserve.prefill_attention(q, k_cache, v_cache, block_tables,
+                                                       cu_seqlens_q, seq_lens, max_q_len,
+                                                       scale, backend=self.inner.name)
 
 
 # CPU prefill chunks of up to this many query rows run as decode rows of the C++ op, each
-# over its own first position + 1 tokens (TorchAttention.prefill), instead of a gather and
-# SDPA per sequence. SmolLM2, ~4,000 prompt tokens a run, bf16 / fp32 (tenth session): 64
+# over its own first position + 1 tokens (CpuAttention.prefill), instead of a gather and
+# SDPA per sequence. SmolLM2, ~4,000 prompt tokens a run, bf16 / fp32: 64
 # prompts of 64 tokens 1.265 -> 1.124 s / 3.88 -> 3.87 s, 8 of 512 1.79 -> 1.39 s / 4.02 ->
 # 3.92, 2 of 2,000 3.50 -> 2.50 s / 6.32 -> 6.11; longer chunks are unmeasured, so SDPA.
 PREFILL_AS_DECODE_MAX = 2048
@@ -133,26 +147,9 @@ def bucketed_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 class TorchAttention(AttentionBackend):
-    """Plain torch, except decode on the CPU: the C++ op that reads the cache in place
-    (kernels/cpu_ops.py) when it could be built, 2-3x faster than gathering (docs/benchmarks.md)."""
+    """Plain torch: gather + SDPA, the path where nothing else runs."""
 
     name = "torch"
-
-    def __init__(self, device: torch.device) -> None:
-        self.cpu_decode = cpu_ops.paged_decode_attention() if device.type == "cpu" else None
-        # compiled: the graph calls the C++ op itself (a registered op with a fake), not the
-        # Python tritonserve::decode_attention around it: 83 instead of 147 us a call
-        # (batch 1, SmolLM2), 2 ms of a 44 ms step
-        self.decode_traced = self.cpu_decode
-        self.cpu_rope_store = cpu_ops.rope_store_kv() if device.type == "cpu" else None
-
-    def rope_store(self, qkv):
-        """bf16 / fp16 on the CPU: the C++ op (fp32 math rounded once, as rotary_embedding);
-        fp32 keeps torch's op-by-op rope, which the greedy parity with transformers is
-        token-identical to."""
-        if self.cpu_rope_store is None or qkv.dtype not in (torch.bfloat16, torch.float16):
-            return None
-        return self.cpu_rope_store
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         reference.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
@@ -167,22 +164,56 @@ class TorchAttention(AttentionBackend):
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
     def decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale):
-        if self.cpu_decode is not None:
-            return self.cpu_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
         return bucketed_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len,
                 scale):
-        if self.cpu_decode is not None and max_q_len <= PREFILL_AS_DECODE_MAX:
-            # every query row a decode row over its first position + 1 tokens, read in place
-            q_lens = cu_seqlens_q.diff().long()  # [S]
-            seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
-            offset = torch.arange(q.shape[0]) - cu_seqlens_q[:-1].long()[seq_of_row]
-            lens = seq_lens.long()[seq_of_row] - q_lens[seq_of_row] + offset + 1  # [T]
-            return self.cpu_decode(q, k_cache, v_cache, block_tables[seq_of_row],
-                                   lens.to(torch.int32), scale, cached=True)
         return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
                                                  cu_seqlens_q, seq_lens, scale)
+
+
+class CpuAttention(TorchAttention):
+    """The torch backend with the C++ ops (kernels/cpu/paged_decode.cpp) that read the cache
+    in place: 2-3x faster decode than gathering (docs/perf-log/2026-cpu-decode.md), prefill
+    chunks as decode rows, and in bf16 / fp16 rope + store in one op. For a plan whose
+    attention is cpu (the library loaded)."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self.cpu_decode = cpu.op("paged_decode_attention")
+        # compiled: the graph calls the C++ op itself (a registered op with a fake), not the
+        # Python tritonserve::decode_attention around it: 83 instead of 147 us a call
+        # (batch 1, SmolLM2), 2 ms of a 44 ms step
+        self.decode_traced = self.cpu_decode
+        self.cpu_rope_store = cpu.op("rope_store_kv")
+
+    def rope_store(self, qkv):
+        """bf16 / fp16: the C++ op (fp32 math rounded once, as rotary_embedding); fp32 keeps
+        torch's op-by-op rope, which the greedy parity with transformers is token-identical
+        to."""
+        if self.cpu_rope_store is None or qkv.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        return self.cpu_rope_store
+
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale):
+        if self.cpu_decode is None:
+            return super().decode(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len,
+                                  scale)
+        return self.cpu_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+    def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len,
+                scale):
+        if self.cpu_decode is None or max_q_len > PREFILL_AS_DECODE_MAX:
+            return super().prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                   max_q_len, scale)
+        # every query row a decode row over its first position + 1 tokens, read in place
+        q_lens = cu_seqlens_q.diff().long()  # [S]
+        seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
+        offset = torch.arange(q.shape[0]) - cu_seqlens_q[:-1].long()[seq_of_row]
+        lens = seq_lens.long()[seq_of_row] - q_lens[seq_of_row] + offset + 1  # [T]
+        return self.cpu_decode(q, k_cache, v_cache, block_tables[seq_of_row],
+                               lens.to(torch.int32), scale, cached=True)
 
 
 class TritonAttention(AttentionBackend):
@@ -201,27 +232,29 @@ class TritonAttention(AttentionBackend):
                                                seq_lens, scale, max_q_len=max_q_len)
 
 
-def make_attention_backend(use_triton: bool, device: torch.device) -> AttentionBackend:
-    return TritonAttention() if use_triton else TorchAttention(device)
+BACKENDS = {"triton": TritonAttention, "cpu": CpuAttention, "torch": TorchAttention}
 
 
-# ---- the registered ops: what a compiled graph calls (AttentionBackend.forward) -----------
-@functools.cache
-def _backend(name: str, device_type: str) -> AttentionBackend:
-    return make_attention_backend(name == "triton", torch.device(device_type))
+def make_attention_backend(name: str) -> AttentionBackend:
+    """The backend a decode plan's attention names (engine/plan.py)."""
+    return BACKENDS[name]()
+
+
+# ---- the registered ops: what a compiled graph calls (ThroughOps) ----------------------------
+_op_backend = functools.cache(make_attention_backend)  # one per name for the ops below
 
 
 @torch.library.custom_op("tritonserve::store_kv", mutates_args=("k_cache", "v_cache"))
 def _store_kv_op(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, backend: str) -> None:
-    _backend(backend, k.device.type).store_kv(k, v, k_cache, v_cache, slot_mapping)
+    _op_backend(backend).store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 @torch.library.custom_op("tritonserve::decode_attention", mutates_args=())
 def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                scale: float, backend: str) -> torch.Tensor:
-    return _backend(backend, q.device.type).decode(q, k_cache, v_cache, block_tables, seq_lens,
+    return _op_backend(backend).decode(q, k_cache, v_cache, block_tables, seq_lens,
                                                    max_seq_len, scale)
 
 
@@ -234,7 +267,7 @@ def _(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, backend):
 def _prefill_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                 max_q_len: int, scale: float, backend: str) -> torch.Tensor:
-    return _backend(backend, q.device.type).prefill(q, k_cache, v_cache, block_tables,
+    return _op_backend(backend).prefill(q, k_cache, v_cache, block_tables,
                                                     cu_seqlens_q, seq_lens, max_q_len, scale)
 
 

@@ -10,23 +10,10 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 DTYPE_CHOICES = ("auto", *_DTYPES)  # auto: the model's dtype where the device runs it (dtype.py)
 
-# How a decode-only step runs (engine/decode_graphs.py, engine/model_runner.py). eager: op by
-# op, no static buffers. layers: the whole decoder stack as one C++ op (CPU fp32 / bf16,
-# kernels/cpu/decode_layers.cpp). auto: cudagraph on CUDA with the triton attention;
-# CPU_DECODE_MODES[dtype] on the CPU with the torch attention; eager otherwise.
+# How a decode-only step runs; engine/plan.py resolves auto and says why. static (static
+# buffers op by op, the CUDA-graph path minus the capture) is a test fixture: not in CLI_MODES.
 DECODE_MODES = ("auto", "eager", "static", "compile", "cudagraph", "compile+cudagraph", "layers")
-
-# fp32 on a 2-core AVX2 EPYC, SmolLM2 compiled vs eager: 40 vs 46 ms a step at batch 1, 116 vs
-# 125 at 16, 306 vs 370 at 64, for ~145 s of compiling at the first start and ~30 s from the
-# cache (sixth session). The layer stack in one op against the compiled graph on a 2-core
-# AVX512-BF16 EPYC (one process, steps alternated; nineteenth session): bf16 9.86 vs 10.37 ms
-# at batch 1, 15.4 vs 16.8 at 16, 39.9 vs 41.6 at 64; fp32 14.4 vs 14.9, 36.9 vs 38.0, 143.8
-# vs 153.7; and nothing to compile. fp16 has no panels (its weights stay plain): eager.
-CPU_DECODE_MODES = {"float32": "layers", "bfloat16": "layers"}
-# What `auto` runs instead of layers where the op does not take the model (q/k norms; in bf16
-# a head size without an instance or a build without AVX512-BF16): the model_runner decides,
-# at load.
-LAYERS_FALLBACK = "compile"
+CLI_DECODE_MODES = tuple(m for m in DECODE_MODES if m != "static")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -124,18 +111,6 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
-
-    @property
-    def resolved_decode_mode(self) -> str:
-        """What decode_mode "auto" runs; read once dtype is resolved (LLMEngine does that)."""
-        if self.decode_mode != "auto":
-            return self.decode_mode
-        device = torch.device(self.device).type
-        if device == "cuda" and self.use_triton("attention"):
-            return "cudagraph"
-        if device == "cpu" and not self.use_triton("attention"):
-            return CPU_DECODE_MODES.get(self.dtype, "eager")
-        return "eager"
 
     def use_triton(self, which: str) -> bool:
         """Triton on CUDA, torch on the CPU, unless forced."""

@@ -14,10 +14,10 @@ Modes (EngineConfig.decode_mode):
   and a step of 17 rows paid for 24. One graph with an *unbacked* batch size (batch 1 too)
   halved the warm compile (23 -> 11 s), but Inductor fused less around an unbacked size (the
   residual add apart from the RMSNorm, more OpenMP loops a layer): batch 16 steps ran 10-25 %
-  slower, batch 1 10-20 % (docs/benchmarks.md). A size's first step goes through Dynamo;
+  slower, batch 1 10-20 % (docs/perf-log/2026-cpu-decode.md). A size's first step goes through Dynamo;
   its later steps call the compiled graph directly with the inputs Dynamo passed it (the
   same tensors every step: CUDA-graph replay's contract, without the capture), ~1 ms a step
-  less at batch 1, 16 and 64 on a Zen 5 (docs/benchmarks.md, thirteenth session).
+  less at batch 1, 16 and 64 on a Zen 5 (docs/perf-log/2026-cpu-decode.md).
 - cudagraph / compile+cudagraph: each bucket captured into a CUDA graph at start-up (after a
   warm-up run that compiles and autotunes the Triton kernels) and replayed every step.
 
@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from tritonserve.kernels.cache import cache_root
+from tritonserve.cache import cache_root
 
 from .attention import AttentionBackend, AttentionMetadata
 from .config import DECODE_MODES
@@ -102,12 +102,12 @@ class DecodeGraphs:
             _allow_recompiles(len(self.sizes))
             # No `freezing`: with it Inductor's GEMMs still ran as aten::mm / addmm on the test
             # CPU, and it bypasses the FX graph cache (a warm start of three SmolLM2 buckets
-            # took 72 s with it; docs/benchmarks.md)
+            # took 72 s with it; docs/perf-log/2026-cpu-decode.md)
             # dynamic=None: the dims marked below are symbolic, all else static
             # No size asserts: Inductor's generated code checked the size and strides of
             # every input and of every custom op's output on each call, from Python: 399
             # checks a SmolLM2 step at 0.36 us each, ~0.15 ms (2 % of a batch-1 step on a
-            # Zen 5; docs/benchmarks.md, twelfth session). The inputs are the static buffers,
+            # Zen 5; docs/perf-log/2026-cpu-decode.md). The inputs are the static buffers,
             # the caches and the weights this object was built with; the ops' fake
             # implementations are checked against the ops by opcheck in the tests.
             self.forward = torch.compile(model, fullgraph=True,
@@ -186,7 +186,7 @@ class DecodeGraphs:
         # Dynamo's guards on every call checked ~400 tensors (the weights are graph inputs, so
         # that engines of one model share graphs): 0.9 ms a step, 10 % of a batch-1 SmolLM2
         # step on a Zen 5. Every graph this object runs was compiled in __init__, so only the
-        # guards that tell the cached graphs apart need to run: 0.15 ms (tenth session).
+        # guards that tell the cached graphs apart need to run: 0.15 ms.
         _last_call.entry = None
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             out = run()
@@ -214,8 +214,8 @@ def _inductor_recording(gm: torch.fx.GraphModule, example_inputs):
     static buffers, the caches, the weights; its sizes are fixed), so after its first step
     DecodeGraphs.run calls the graph with them directly: no Dynamo frame, no guards and no
     pregraph bytecode gathering ~310 inputs (profiled 0.25 + 0.2 ms; 0.4-1.5 ms a step in
-    alternated runs at batch 1, 16 and 64 on a Zen 5; docs/benchmarks.md, thirteenth
-    session). One function for every engine:
+    alternated runs at batch 1, 16 and 64 on a Zen 5;
+    docs/perf-log/2026-cpu-decode.md). One function for every engine:
     Dynamo reuses a graph only for the backend that compiled it."""
     from torch._inductor.compile_fx import compile_fx
     compiled = compile_fx(gm, example_inputs, config_patches={"size_asserts": False})

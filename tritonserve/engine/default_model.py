@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tritonserve.kernels.cache import cache_root
+from tritonserve.cache import cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # v2: config.json records bfloat16 (see convert_gguf); an older cache is converted again

@@ -19,7 +19,7 @@ def plain_decode(tokenizer) -> Callable[[list[int], bool], str] | None:
     `decode(ids, skip_special_tokens=s, clean_up_tokenization_spaces=False)`, when its class
     changes nothing on that path; else None (the tokenizer's own decode then serves). The
     same text without transformers' per-call conversions: 0.54 vs 2.18 us a call for SmolLM2,
-    two calls a token (~0.2 ms of a batch-64 step; docs/benchmarks.md, twelfth session)."""
+    two calls a token (~0.2 ms of a batch-64 step; docs/perf-log/2026-cpu-decode.md)."""
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend

@@ -8,14 +8,15 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-from tritonserve.kernels import cpu_ops
+from tritonserve.kernels import cpu
 
 from .attention import AttentionMetadata, make_attention_backend
-from .config import LAYERS_FALLBACK, EngineConfig
+from .config import EngineConfig
 from .cpu_allocator import keep_buffers_on_heap
 from .decode_graphs import DecodeGraphs, bucket_sizes
 from .memory import check_cache_fits_memory
 from .models import ForwardContext, ModelArch, build_model
+from .plan import resolve_plan
 from .request import Request
 from .sampler import SampledToken, Sampler
 from .scheduler import ScheduledRequest, SchedulerOutput
@@ -44,41 +45,30 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             keep_buffers_on_heap()
+        self.plan = resolve_plan(config, arch)
+        log.info("decode plan: %s", self.plan.describe())
         self.block_size = config.cache.block_size
         self.model = build_model(arch, folder, config.torch_dtype, self.device, max_positions,
                                  dummy=config.load_format == "dummy", seed=config.seed)
-        self.decode_mode = config.resolved_decode_mode
-        if self.device.type == "cpu":  # a compiled graph can call the panels, not oneDNN's
-            self.model.prepack_weights(batch_hint=config.scheduler.max_num_seqs,
-                                       traceable=self.decode_mode.startswith("compile")
-                                       or self.decode_mode == "layers")
-        # decode_mode layers: every decode-only step through the one C++ op of the stack
-        self.decode_layers = None
-        if self.decode_mode == "layers":
-            self.decode_layers = self.model.decode_layers(self.block_size)
-            if self.decode_layers is None:
-                why = (f"{arch.architecture} in {config.dtype} (head size {arch.head_dim}, "
-                       f"{arch.num_heads // arch.num_kv_heads} query heads a KV head, block "
-                       f"size {self.block_size}, q/k norms {arch.qk_norm})")
-                if config.decode_mode != "auto":
-                    raise ValueError(f"decode_mode 'layers' does not take {why}: it needs "
-                                     f"float32, or bfloat16 on a CPU with AVX512-BF16 with "
-                                     f"head size 64 or 128, at most 8 query heads a KV head "
-                                     f"and a block size that is a multiple of 16; and no q/k "
-                                     f"norms")
-                log.info("decode_mode layers does not take %s: %s", why, LAYERS_FALLBACK)
-                self.decode_mode = LAYERS_FALLBACK
-        self.backend = make_attention_backend(config.use_triton("attention"), self.device)
+        self.model.prepack_weights(self.plan.weights, batch_hint=config.scheduler.max_num_seqs)
+        self.backend = make_attention_backend(self.plan.attention)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
+        # a decode-only step of at most decode_max_batch rows runs decode_step (allocate)
+        self.decode_step = None
+        self.decode_max_batch = 0
+
+    @property
+    def decode_mode(self) -> str:
+        return self.plan.mode
 
     def kernels_in_use(self) -> str:
         """One phrase for the start-up line: which kernels this runner's steps call."""
-        if self.config.use_triton("attention"):
+        if self.plan.attention == "triton":
             return "Triton kernels"
-        if self.device.type == "cpu":
-            return f"C++ CPU ops, {cpu_ops.describe()}" if cpu_ops.load() else "torch kernels"
+        if self.plan.attention == "cpu":
+            return f"C++ CPU ops, {cpu.describe()}"
         return "torch kernels"
 
     @torch.inference_mode()
@@ -150,14 +140,20 @@ class ModelRunner:
             raise ValueError(f"the KV cache ({need / 2**30:.2f} GiB, {self.num_blocks} blocks) "
                              f"does not fit in {self.device} memory next to the weights; lower "
                              f"cache_bytes / num_blocks") from None
-        self.sampler = Sampler(config.use_triton("sampler"), arch.vocab_size, config.seed,
+        self.sampler = Sampler(self.plan.draw, arch.vocab_size, config.seed,
                                max_model_len, self.device)
-        if self.decode_mode not in ("eager", "layers"):
+        if self.plan.mode == "layers":
+            self.decode_step = self.model.decode_layers(self.block_size)
+            self.decode_max_batch = config.scheduler.max_num_seqs
+        elif self.plan.mode != "eager":
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend,
                                        null_block=self.num_blocks, block_size=self.block_size,
                                        sizes=list(config.decode_buckets) or bucket_sizes(
                                            config.scheduler.max_num_seqs),
-                                       max_model_len=max_model_len, mode=self.decode_mode)
+                                       max_model_len=max_model_len, mode=self.plan.mode)
+            self.decode_step = lambda ids, positions, ctx: self.graphs.run(ids, positions,
+                                                                           ctx.meta)
+            self.decode_max_batch = self.graphs.max_batch
 
     def release(self, request_id: str) -> None:
         """The request has ended: drop what the runner keeps for it (sampling rows)."""
@@ -190,13 +186,11 @@ class ModelRunner:
         return {r.request_id: s for r, s in zip(model_input.sample_requests, sampled)}
 
     def _forward(self, model_input: ModelInput, ctx: ForwardContext) -> torch.Tensor:
-        """hidden [T, hidden]: a decode-only step the graphs hold runs on them."""
+        """hidden [T, hidden]: the plan's decode step for a decode-only step it takes, else
+        the model op by op."""
         n = model_input.input_ids.shape[0]
-        if self.decode_layers is not None and model_input.meta.num_decode_tokens == n:
-            return self.decode_layers(model_input.input_ids, model_input.positions, ctx)
-        if (self.graphs is not None and model_input.meta.num_decode_tokens == n
-                and n <= self.graphs.max_batch):
-            return self.graphs.run(model_input.input_ids, model_input.positions, model_input.meta)
+        if model_input.meta.num_decode_tokens == n <= self.decode_max_batch:
+            return self.decode_step(model_input.input_ids, model_input.positions, ctx)
         return self.model(model_input.input_ids, model_input.positions, ctx)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInput:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonserve import kernels
+from tritonserve.kernels import triton as kernels
 
-from tritonserve.kernels import cpu_ops, reference
+from tritonserve.kernels import cpu, reference
 
 from .outputs import TopLogprob
 from .request import Request
@@ -84,16 +84,16 @@ class SampledToken:
 
 
 class Sampler:
-    def __init__(self, use_triton: bool, vocab_size: int, seed: int, max_model_len: int,
+    def __init__(self, draw: str, vocab_size: int, seed: int, max_model_len: int,
                  device: torch.device = torch.device("cpu")) -> None:
+        """draw: the decode plan's (engine/plan.py): triton, cpu or torch."""
         self._sample = functools.partial(torch.ops.tritonserve.sample,
-                                         backend="triton" if use_triton else "torch")
-        # the rows that filter nothing (the server's default sampling) on the CPU: one C++
+                                         backend="triton" if draw == "triton" else "torch")
+        # draw cpu, the rows that filter nothing (the server's default sampling): one C++
         # pass a row instead of softmax, max and chunk passes over [B, V] (the sampler phase
         # of a batch-64 SmolLM2 step 2.4 -> 0.6 ms). Chosen by a row's own parameters, so a
         # seeded row draws the same token in any batch.
-        self._softmax_draw = (cpu_ops.sample_softmax()
-                              if not use_triton and device.type == "cpu" else None)
+        self._softmax_draw = cpu.op("sample_softmax") if draw == "cpu" else None
         self.vocab_size = vocab_size
         self._rng = torch.Generator().manual_seed(seed)
         self.state = SamplingState(vocab_size, max_model_len, device)
@@ -122,8 +122,8 @@ class Sampler:
             # nothing to apply before the draw: the model's logits as they are (bf16
             # included; the fp32 copy alone was 0.7 ms of a batch-64 step). Greedy rows are
             # the draw's first argmax, torch.argmax's rule: an all-greedy batch of 64 took
-            # 1.6-2.1 ms through the fp32 copy and torch.argmax, 0.07 here (docs/benchmarks.md,
-            # thirteenth session); it draws no seeds, so the engine's generator moves as before
+            # 1.6-2.1 ms through the fp32 copy and torch.argmax, 0.07 here
+            # (docs/perf-log/2026-cpu-decode.md); it draws no seeds, so the engine's generator moves as before
             greedy = all(p.greedy for p in params)
             seeds = (torch.zeros(len(requests), dtype=torch.int64, device=logits.device) if greedy
                      else self._seeds(requests))

@@ -13,7 +13,7 @@ from dataclasses import fields
 from aiohttp import web
 
 from tritonserve.engine import LLMEngine
-from tritonserve.engine.config import (DECODE_MODES, DTYPE_CHOICES, CacheConfig, EngineConfig,
+from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, CacheConfig, EngineConfig,
                                        SchedulerConfig)
 from tritonserve.engine.llm import build_config
 
@@ -55,10 +55,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default=e.attention_backend, choices=backends)
     p.add_argument("--sampler-backend", default=e.sampler_backend, choices=backends)
     p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "dummy"])
-    p.add_argument("--decode-mode", default=e.decode_mode, choices=DECODE_MODES,
-                   help="decode steps: auto (CUDA graphs on CUDA, compile on the CPU in fp32, "
-                   "else eager), eager, static buffers, torch.compile (batch 1 and a dynamic "
-                   "batch), CUDA graphs per batch bucket")
+    p.add_argument("--decode-mode", default=e.decode_mode, choices=CLI_DECODE_MODES,
+                   help="decode steps: auto (CUDA graphs on CUDA; on the CPU the layer stack as "
+                   "one C++ op in fp32 and bf16, torch.compile where that op does not take the "
+                   "model), eager, layers, compile, cudagraph, compile+cudagraph; the start-up "
+                   "line and /version name the plan and why")
     p.add_argument("--decode-buckets", type=_sizes, default=e.decode_buckets,
                    help="comma-separated batch sizes the decode mode builds (default: 1,2,4, "
                    "then multiples of 8 up to --max-num-seqs)")
@@ -97,9 +98,9 @@ async def serve_http(app: web.Application, args: argparse.Namespace,
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     card = app[STATE].engine.card
-    logging.info("serving %s on http://%s:%d (%s, decode %s, %s, %d KV blocks of %d tokens)",
-                 card.name, args.host, args.port, card.dtype, card.decode_mode, card.kernels,
-                 card.num_kv_blocks, card.block_size)
+    logging.info("serving %s on http://%s:%d (%s; %s; %s; %d KV blocks of %d tokens)",
+                 card.name, args.host, args.port, card.dtype, card.plan.describe(),
+                 card.kernels, card.num_kv_blocks, card.block_size)
     print(f"READY http://{args.host}:{args.port}", flush=True)
     await stop.wait()
     logging.info("draining (grace period %.1f s)", args.grace_period)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from tritonserve.engine import (EngineDeadError, GenerationStep, InvalidRequestError, LLMEngine,
                                 SamplingParams)
+from tritonserve.engine.plan import DecodePlan
 from tritonserve.engine.sampling_params import SEED_LIMIT
 
 from .prompts import PromptTokenizer
@@ -62,7 +63,7 @@ class ModelCard:
     num_kv_blocks: int
     block_size: int
     dtype: str  # what --dtype auto resolved to
-    decode_mode: str  # what --decode-mode auto resolved to
+    plan: DecodePlan  # what the steps run, with why (engine/plan.py)
     kernels: str  # which kernels serve: "Triton (CUDA)", "C++ CPU ops (ISA ...)", "torch"
 
     def names(self) -> tuple[str, str]:
@@ -157,7 +158,7 @@ class AsyncEngine:
             name=engine.model_name, root=str(engine.model_path),
             max_model_len=engine.max_model_len, vocab_size=engine.arch.vocab_size,
             num_kv_blocks=engine.kv_cache.num_blocks, block_size=engine.kv_cache.block_size,
-            dtype=engine.config.dtype, decode_mode=engine.runner.decode_mode,
+            dtype=engine.config.dtype, plan=engine.runner.plan,
             kernels=engine.runner.kernels_in_use())
         self.stats = EngineStats()
         engine.grammars  # built now (~1 s): not on the event loop at the first structured request

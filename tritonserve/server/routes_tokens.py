@@ -45,4 +45,6 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def version(request: web.Request) -> web.Response:
-    return web.json_response({"version": server_version()})
+    """vLLM's {"version"}, and the decode plan this server runs (engine/plan.py)."""
+    return web.json_response({"version": server_version(),
+                              "decode_plan": request.app[STATE].engine.card.plan.as_dict()})

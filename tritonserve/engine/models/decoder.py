@@ -9,17 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tritonserve import kernels
-
-from tritonserve.kernels import cpu_ops
+from tritonserve.kernels import cpu
 
 from ..attention import AttentionBackend, AttentionMetadata
+from . import ops
 from .arch import ModelArch, rope_inv_freq
-from .linear import (Linear, can_fuse_silu, linear, linear_silu_mul, pack_silu_gate_up,
-                     pack_weight)
+from .linear import Linear, linear, pack, weight_form
 
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim] for a step's positions
@@ -32,43 +29,6 @@ class ForwardContext:
     backend: AttentionBackend
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm (fp32 statistics, weight applied in the input dtype), with
-    torch's fused rms_norm: 3 dispatched ops instead of 7."""
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-    return weight * normed.to(x.dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual [T, hidden] -> (rms_norm(residual + x) * weight, residual + x), in place
-    (x and residual are a layer's fresh outputs) by one fused op: the C++ op on the CPU, the
-    Triton kernel on CUDA. Under torch.compile, plain torch: Inductor fuses it itself."""
-    fused = None
-    if not torch.compiler.is_compiling() and x.dtype == weight.dtype and x.is_contiguous() \
-            and residual.is_contiguous():
-        if x.device.type == "cpu":
-            ops = cpu_ops.fused_ops()
-            fused = ops[0] if ops is not None else None
-        elif x.device.type == "cuda":
-            fused = kernels.add_rms_norm
-    if fused is None:
-        residual = residual + x
-        return _rms_norm(residual, weight, eps), residual
-    fused(x, residual, weight, eps)
-    return x, residual
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:], one op (C++ on the CPU, Triton on CUDA)."""
-    if not torch.compiler.is_compiling():
-        if x.device.type == "cpu" and (ops := cpu_ops.fused_ops()) is not None:
-            return ops[1](x)
-        if x.device.type == "cuda":
-            return kernels.silu_and_mul(x)
-    return kernels.reference.silu_and_mul(x)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -78,8 +38,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x -> normed x; with a residual: (normed residual + x, residual + x), fused."""
         if residual is None:
-            return _rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -100,18 +60,8 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated by its positions' tables. Eager bf16 / fp16 on the
-        CPU: one C++ pass (the eager prefill's rope ~50 -> 17 ms of a 64 x 64 prefill),
-        rounded once as the compiled step's fused kernel is; fp32 keeps torch's ops, which
-        the greedy parity with transformers is token-identical to."""
-        cos, sin = tables
-        if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
-                and not torch.compiler.is_compiling() and x.stride(-1) == 1
-                and (rotate := cpu_ops.rotary_embedding()) is not None):
-            return rotate(x, cos, sin)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        """x [T, heads, head_dim] rotated by its positions' tables (models/ops.py: Rope)."""
+        return ops.rope(x, *tables)
 
 
 class Attention(nn.Module):
@@ -156,22 +106,18 @@ class MLP(nn.Module):
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
-        self.silu_in_matmul = False  # gate/up packed for linear_silu_mul (fuse_silu)
 
-    def fuse_silu(self) -> None:
-        """CPU bf16 inference: gate/up repacked so that its matmul applies silu(gate) * up in
-        the epilogue (`linear_silu_mul`): one op instead of two, and no [T, 2I] activation;
-        a no-op where the epilogue does not apply."""
-        weight = self.gate_up_proj.weight
-        if self.silu_in_matmul or not can_fuse_silu(weight):
-            return
-        self.gate_up_proj.weight = nn.Parameter(pack_silu_gate_up(weight), requires_grad=False)
-        self.silu_in_matmul = True
+    @property
+    def silu_in_matmul(self) -> bool:
+        """gate/up carries the activation in its matmul's epilogue (Linear.fuse_silu)."""
+        return self.gate_up_proj.silu_in_matmul
+
+    def fuse_silu(self) -> bool:
+        return self.gate_up_proj.fuse_silu()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.silu_in_matmul:
-            return self.down_proj(linear_silu_mul(x, self.gate_up_proj.weight))
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        return self.down_proj(h if self.silu_in_matmul else ops.silu_and_mul(h))
 
 
 class DecoderLayer(nn.Module):
@@ -207,40 +153,40 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_tied_lm_head: torch.Tensor | None = None  # set by prepack_weights
 
-    def prepack_weights(self, batch_hint: int, traceable: bool = False) -> None:
-        """CPU inference: every projection weight in its packed form (`linear.pack_weight`:
-        C++ panels for fp32 and bf16, else oneDNN's blocked layout; bf16 gate/up with the
-        activation in the matmul, `MLP.fuse_silu`) in place of the plain one. A
-        tied lm_head gets a packed copy of the embedding table, which stays plain for the
-        lookup. traceable: only forms torch.compile traces (the panels)."""
+    def prepack_weights(self, form: str, batch_hint: int) -> None:
+        """Every projection weight in `form` (the decode plan's weights: panels, onednn or
+        plain; engine/models/linear.py) in place of the plain one; with panels, bf16 gate/up
+        with the activation in the matmul (Linear.fuse_silu). A tied lm_head gets a packed
+        copy of the embedding table, which stays plain for the lookup."""
+        if form == "plain":
+            return
         for module in self.modules():  # an MLP comes before its Linears
-            if isinstance(module, MLP):
+            if isinstance(module, MLP) and form == "panels":
                 module.fuse_silu()
             elif isinstance(module, Linear):
-                module.pack(batch_hint, traceable)
+                module.pack(form, batch_hint)
         if self.arch.tie_word_embeddings:
-            self.packed_tied_lm_head = pack_weight(self.embed_tokens.weight, batch_hint,
-                                                   traceable)
+            self.packed_tied_lm_head = pack(self.embed_tokens.weight, form, batch_hint)
 
     def decode_layers(self, block_size: int):
         """The C++ op that runs this model's whole layer stack for a decode step
         (kernels/cpu/decode_layers.cpp) with its weights, as a function of (input_ids,
-        positions, ctx) -> hidden [T, hidden]; None where it does not apply: not on the CPU
-        in bf16 (every projection in the bf16 panels, gate/up with its activation) or fp32
-        (the fp32 panels), q/k norms (Qwen3), or no instance for the head shapes."""
+        positions, ctx) -> hidden [T, hidden]. For a plan whose mode is layers (engine/plan.py
+        checked that the op takes the model): every projection in panels, bf16 gate/up with
+        its activation in the matmul; a model in another state is refused."""
         arch = self.arch
         dtype = self.embed_tokens.weight.dtype
-        op = cpu_ops.decode_layers(dtype, arch.head_dim, arch.num_heads // arch.num_kv_heads,
-                                   block_size)
-        mlps = [layer.mlp for layer in self.layers]
+        op = cpu.decode_layers(dtype, arch.head_dim, arch.num_heads // arch.num_kv_heads,
+                               block_size)
         linears = [m for layer in self.layers for m in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
             layer.mlp.down_proj)]
-        packed = {torch.bfloat16: 4, torch.float32: 3}.get(dtype)  # panels' dims
-        if (op is None or arch.qk_norm or packed is None
-                or any(m.silu_in_matmul != (dtype == torch.bfloat16) for m in mlps)
-                or not all(lin.weight.dim() == packed for lin in linears)):
-            return None
+        if (op is None or arch.qk_norm
+                or any(layer.mlp.silu_in_matmul != (dtype == torch.bfloat16)
+                       for layer in self.layers)
+                or any(weight_form(lin.weight) != "panels" for lin in linears)):
+            raise ValueError("decode_layers: the model is not in the layers plan's state "
+                             "(C++ panels, bf16 gate/up with its activation, no q/k norms)")
         norms = [n.weight for layer in self.layers
                  for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         panels = [lin.weight for lin in linears]
@@ -275,6 +221,6 @@ class DecoderForCausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab]"""
         if not self.arch.tie_word_embeddings:
             return self.lm_head(hidden)
-        if self.packed_tied_lm_head is not None:
-            return linear(hidden, self.packed_tied_lm_head, out_features=self.arch.vocab_size)
-        return linear(hidden, self.embed_tokens.weight)
+        head = self.packed_tied_lm_head
+        return linear(hidden, self.embed_tokens.weight if head is None else head,
+                      out_features=self.arch.vocab_size)

@@ -1,6 +1,6 @@
 // The ISA levels of the CPU library, defined once from the compiler's target macros (-march):
 // every file in this folder tests these three names and no compiler macro of its own, and
-// the loaded library reports them (tritonserve::isa_levels, read by kernels/cpu_ops.py), so
+// the loaded library reports them (tritonserve::isa_levels, read by kernels/cpu/__init__.py), so
 // Python asks the build what it has instead of guessing.
 //   TS_AVX512       AVX-512 F, BW, DQ and VL: the 16-lane fp32 code (exp16, the sampler's
 //                   argmax, the lane-sum tree in zmm registers)
@@ -12,7 +12,7 @@
 // Without them the same ops run portable C++ that the compiler vectorises for its target
 // (x86-64-v3: AVX2 + FMA; tests/test_cpu_build.py builds and tests that one too). Which CPU
 // may load a build is checked before loading it, from the target's own macros
-// (kernels/cpu_build.py), so a library built for one CPU never runs on another.
+// (kernels/cpu/build.py), so a library built for one CPU never runs on another.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \

@@ -10,7 +10,8 @@
 // Why not oneDNN: on this AMD EPYC (AVX2, 2 threads), SmolLM2's 121 decode matmuls, weights
 // cold (538 MB): oneDNN-prepacked 43-63 ms at M = 1 (8.6-12.5 GB/s of an 18 GB/s read),
 // these panels 28.5-29.5 ms (18.3-18.8 GB/s); M = 16: 78-94 vs 62-75 ms; M = 64: 191-207 vs
-// 171-180 ms; M = 128-1024 even; M = 2048 (prefill) 3.6-3.8 s vs 2.9-3.3 s (docs/benchmarks.md).
+// 171-180 ms; M = 128-1024 even; M = 2048 (prefill) 3.6-3.8 s vs 2.9-3.3 s
+// (docs/perf-log/2026-cpu-decode.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -2,7 +2,7 @@
 //   pack_linear_weight_bf16(weight [N, K] bf16) -> panels [ceil(N / 32), ceil(K / 2), 32, 2]
 //     (panels[p, j, c, i] = weight[32 p + c, 2 j + i]; columns past N and k past K are zero)
 //   packed_linear_bf16(x [M, K] bf16, panels, N, bias?) -> x @ weight^T (+ bias)  [M, N] bf16
-//   packed_linear_silu_mul_bf16(x, panels of a gate/up weight whose rows kernels/cpu_ops.py's
+//   packed_linear_silu_mul_bf16(x, panels of a gate/up weight whose rows kernels/cpu/__init__.py's
 //     pack_gate_up_bf16 interleaved 16 / 16) -> silu(x @ gate^T) * (x @ up^T)  [M, I] bf16
 // The layout is AVX512-BF16's: one 64-byte load holds 16 columns x 2 k, and one vdpbf16ps
 // adds x[m, 2j] * w[2j, c] + x[m, 2j + 1] * w[2j + 1, c] to 16 fp32 accumulators (the pair of
@@ -14,7 +14,7 @@
 // Why panels and not oneDNN: a decode step reads every weight once; panels stream each
 // thread's columns front to back (the fp32 kernel's finding, kernels/cpu/linear.cpp), and an
 // op of our own is one torch.compile traces (oneDNN's prepacked tensor is opaque), so bf16
-// decodes can run compiled too. Figures: docs/benchmarks.md (ninth session).
+// decodes can run compiled too. Figures: docs/perf-log/2026-cpu-decode.md.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -6,9 +6,9 @@
 // Why: fixed halves do not end together (the OpenMP worker starts after the thread that opens
 // the region; one core may run slower), and the first one done waited. A shared counter
 // handing out 4-panel chunks measured 6 % slower (the other thread took the panels the weight
-// stream had asked for; thirteenth session); owners keep their stream. SmolLM2's 120 layer
+// stream had asked for; docs/perf-log/2026-cpu-decode.md); owners keep their stream. SmolLM2's 120 layer
 // matmuls in bf16, one process, alternated with the fixed halves, 2-core Zen 5: M = 64 18.7 ->
-// 17.3 ms, M = 1 7.8 -> 7.1, M = 16 unchanged (sixteenth session). A core taken by another
+// 17.3 ms, M = 1 7.8 -> 7.1, M = 16 unchanged. A core taken by another
 // process for longer than an op costs the same either way: the thread there still holds the
 // panel it was computing.
 #pragma once

@@ -3,12 +3,12 @@
 // for pages that come from memory.
 //
 // Why: a cold page costs what fetches it. Software prefetches spread over the compute (what
-// both paths did until the sixteenth session) keep only ~32 lines in flight a core, ~8 GB/s
+// both paths did before this file) keep only ~32 lines in flight a core, ~8 GB/s
 // at this Zen 5's ~250 ns; a burst of plain loads over a few pages, nothing else in the way,
 // runs at the hardware streamer's rate. Swept, then computed from L2: batch 64 x 128-228
 // tokens, bf16, cold, 0.59-0.70 -> 0.42-0.47 ms a call, fp32 0.97 -> 0.65; in the engine's
 // batch-64 decode step 537-625 -> 395-400 us a call, its share of the step 30-35 -> 25-26 %
-// (docs/benchmarks.md, sixteenth session).
+// (docs/perf-log/2026-cpu-decode.md).
 #pragma once
 
 #include <algorithm>
@@ -78,10 +78,10 @@ inline void sweep(const T* k_cache, const T* v_cache, const int32_t* table, int6
 // The next sweep's lines asked for while the current one computes: software prefetches in
 // sweep()'s order, a share after each unit of work, so that the sweep at the start of the next
 // chunk finds part of its lines in the cache or on their way. A core keeps only ~32 misses in
-// flight (fifteenth session), so this overlaps a part of the reading with the compute, not
+// flight, so this overlaps a part of the reading with the compute, not
 // all of it. Batch 64 x 64-192 tokens, bf16, cold, alternated: 0.339 -> 0.294 ms a call
 // (faster in 11 of 12 rounds), 0.410 -> 0.345 (9 of 10); in the engine's batch-64 step
-// 339-412 -> 303-308 us a call (docs/benchmarks.md, seventeenth session). Loads instead of
+// 339-412 -> 303-308 us a call (docs/perf-log/2026-cpu-decode.md). Loads instead of
 // prefetches measured 30 % slower (each miss stalls the compute behind it). The AVX512-BF16
 // path uses it; in the portable one (fp32, compute-bound) it measured no gain.
 template <typename T>
@@ -152,7 +152,7 @@ struct Item {
 // kSplitBatch sequences also splits each sequence's pages into parts of kPartTokens tokens,
 // each part an item leaving unnormalised sums (m, l, acc) for merge_parts: batch 1 over 3 KV
 // heads on 2 threads was 3 items, one thread idle a third of the attention (7.6 % of a step
-// in OpenMP waits at 1-2k tokens, nineteenth session). The split depends on the lengths only,
+// in OpenMP waits at 1-2k tokens). The split depends on the lengths only,
 // never on the thread count, so the results do not either.
 struct Items {
   static constexpr int64_t kSplitBatch = 2;

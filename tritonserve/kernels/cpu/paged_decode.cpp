@@ -9,16 +9,16 @@
 // per query head). The value pass runs head by head so each head's accumulator stays in
 // registers. Measured (batch 64, SmolLM2 heads, lengths 50-400, pages scattered, fp32):
 // 4.0-4.9 ms per call with one (sequence, KV head) per item and a row at a time, 2.6-3.0 ms
-// now; bf16 4.5 -> 2.5 ms (docs/benchmarks.md). On a Zen 5, in the engine (batch 64, 128-
+// now; bf16 4.5 -> 2.5 ms (docs/perf-log/2026-cpu-decode.md). On a Zen 5, in the engine (batch 64, 128-
 // token prompts, bf16): a vectorised exp 698-702 -> 616-635 us a call, then the dots of 16
-// tokens summed in one shuffle tree (page_scores) 640-657 -> 586-618 (ninth session).
+// tokens summed in one shuffle tree (page_scores) 640-657 -> 586-618.
 // bf16 caches on a build with AVX512-BF16 take paged_decode_bf16.h instead (scores by
 // vdpbf16ps on the raw pages, no conversion buffers): warm 0.27 -> 0.13 ms a call, in the
 // engine (batch 64, 64-token prompts) 327 -> 240-290 us; with the next pages asked for
-// spread over the compute (batch 64, 128-token prompts) 460-475 -> 261-264 us (tenth session).
+// spread over the compute (batch 64, 128-token prompts) 460-475 -> 261-264 us.
 // `cached` (prefill rows, whose pages were just written) picks that kernel's schedule for
 // cached pages; the portable path only skips its sweep.
-// Registered as torch.ops.tritonserve.paged_decode_attention (CPU); kernels/cpu_ops.py
+// Registered as torch.ops.tritonserve.paged_decode_attention (CPU); kernels/cpu/__init__.py
 // builds it and registers the fake (shape-only) implementation torch.compile traces with.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

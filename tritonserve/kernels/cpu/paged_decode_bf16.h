@@ -18,15 +18,15 @@
 //     next unit's scores, so in program order the long scores -> exp chain of one unit sits
 //     beside the independent FMAs of the other, and the value pass is token-outer with every
 //     accumulator in registers. One core, the cache warm, 16 tokens x 3 KV heads x 3 query
-//     heads a chunk: 1,750-2,030 cycles a chunk before this session's changes, 1,250-1,340
-//     now. Each multiply-add taken off the exp chain measured ~3 %: bound by that chain's
+//     heads a chunk: 1,750-2,030 cycles a chunk in the schedule before this one, 1,250-1,340
+//     in this one. Each multiply-add taken off the exp chain measured ~3 %: bound by that chain's
 //     latency, not by its instruction count.
 //   streaming (decode rows: the pages come from memory): the item's pages swept into the
 //     cache first (page_sweep.h), then each unit's value pass at once, one 32-element slice
 //     of the head at a time, whose 16 V loads go out back to back; after each unit a share
 //     of the next sweep's lines is asked for (page_sweep.h's Ahead). Before the sweep the
 //     cached schedule measured 5-20 % slower than this one on cold pages (fewer misses in
-//     flight), this one 13-25 % slower than it on cached ones (fourteenth session); on swept
+//     flight), this one 13-25 % slower than it on cached ones; on swept
 //     pages the two measured even (sixteenth).
 // q is bf16 already (the op's input); the scale multiplies the scores, as the portable path
 // scales q in fp32: the two differ by fp32 rounding only.

@@ -34,7 +34,7 @@ inline const float* page_as_float(const T* page, float* buffer, int64_t n, int64
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     // bf16 -> fp32 is the 16 bits shifted up: on raw integers the loop vectorises (through
     // c10::BFloat16's conversion it did not: SmolLM2 heads, batch 64, 64-192 tokens, 0.607 ->
-    // 0.57 ms a call on a Zen 5 EPYC; docs/benchmarks.md, ninth session)
+    // 0.57 ms a call on a Zen 5 EPYC; docs/perf-log/2026-cpu-decode.md)
     const int64_t span = nh * head_dim;
     const auto* bits = reinterpret_cast<const uint16_t*>(page);
     auto* out = reinterpret_cast<uint32_t*>(buffer);

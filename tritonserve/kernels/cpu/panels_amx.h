@@ -14,7 +14,7 @@
 //
 // Why: on a 2-core Xeon with AMX (KVM guest), SmolLM2's 121 matmuls at M = 64 took 77.8 ms
 // on the AVX512-BF16 tiles (221 GFLOP/s), 19.0 ms in oneDNN (its AMX kernels) and 17.0 ms
-// here; docs/benchmarks.md (twentieth session) has the other sizes.
+// here; docs/perf-log/2026-cpu-decode.md has the other sizes.
 #pragma once
 
 #include <atomic>
@@ -41,7 +41,7 @@ constexpr int64_t kMinRows = 4;   // fewer rows stay on the AVX512-BF16 tile
 // does), 32 lines a k step: SmolLM2's 121 matmuls, three rounds alternated, M = 32 16.6-18.5
 // -> 15.9-16.3 ms, 64 21.4-24.5 -> 20.3-22.2, 128 33.5-36.7 -> 30.6-33.0; at 16 rows (one
 // pass) it cost ~1 ms, so one pass asks nothing. Asking into L1 (prefetcht0) one to four
-// panels ahead was 15-25 % slower at every size (twentieth session).
+// panels ahead was 15-25 % slower at every size.
 constexpr int64_t kAheadBytes = 16 << 10;
 
 // x rows the kernel reads for M rows: whole tiles (the rows past M are read, never used)

@@ -17,10 +17,10 @@ constexpr int64_t kCols = 32;  // output columns per panel
 // Every row tile of a panel asks for its share of the next panel's lines, spread over its
 // pairs (the hardware prefetcher alone left the first pass over a panel waiting on memory).
 // SmolLM2's 121 matmuls weights cold on a 2-core Zen 5, side by side: the first tile alone
-// asking 4 KB ahead gave M = 4 6.5 -> 5.4-5.9 ms, 16 9.4 -> 7.0-7.4, 64 23.0 -> 19.9-20.2
-// (ninth session); that tile then had to fetch a whole panel in a sixth of the panel's time at
-// M = 64 (~96 GB/s for two cores). Spread over every tile: docs/benchmarks.md (eleventh
-// session). One row (its own loop) gained nothing from either.
+// asking 4 KB ahead gave M = 4 6.5 -> 5.4-5.9 ms, 16 9.4 -> 7.0-7.4, 64 23.0 -> 19.9-20.2;
+// that tile then had to fetch a whole panel in a sixth of the panel's time at
+// M = 64 (~96 GB/s for two cores). Spread over every tile: docs/perf-log/2026-cpu-decode.md.
+// One row (its own loop) gained nothing from either.
 constexpr int64_t kPrefetchBytes = 4096;
 struct Ahead {
   const char* base;  // the next panel
@@ -34,7 +34,7 @@ struct Ahead {
 // prefetches. The tied lm_head (49,152 x 576) then the softmax draw, weights cold, 2-core
 // Zen 5: M = 64 4.82 -> 4.25 ms, 32 2.45 -> 2.19, 16 1.54 -> 1.39, 8 and 4 unchanged; the
 // step's logits phase at batch 64 4.5-4.6 -> 3.9-4.1 ms; a 64 x 64 prefill unchanged
-// (docs/benchmarks.md, twelfth session).
+// (docs/perf-log/2026-cpu-decode.md).
 constexpr int64_t kStreamBytes = 1 << 20;
 
 using tritonserve_vec::bf16_to_float;
@@ -104,7 +104,7 @@ inline void store_silu_mul_dp(__m512 gate, __m512 up, uint16_t* y) {
 // rounds to nearest even as float_to_bf16 does (NaN stays NaN; it reads an fp32 denormal as
 // zero, below bf16's 1e-38 floor anyway), one masked store. The scalar loop it replaces was
 // ~400 conversions a 12-row tile against ~3,500 cycles of dot products at K = 576
-// (docs/benchmarks.md, eleventh session).
+// (docs/perf-log/2026-cpu-decode.md).
 inline void store_row_dp(__m512 lo, __m512 hi, uint16_t* y, int64_t ncols, const float* bias,
                          bool silu, bool stream = false) {
   if (silu) {
@@ -131,13 +131,13 @@ inline void store_row_dp(__m512 lo, __m512 hi, uint16_t* y, int64_t ncols, const
 // Row m's pair is addressed from two pointers, p (row 0's) and q = p + 3 s, with the row
 // stride s, 3 s and 5 s (bytes) as index registers: 13 rows in 5 general registers. Why: with
 // one pointer a row (what GCC made of x + m * ldx) the 11-row tile ran out of registers and
-// reloaded row pointers from xmm registers and the stack every pair (twenty-second session's
+// reloaded row pointers from xmm registers and the stack every pair (its
 // disassembly). The addressing has to be written in asm, GCC picks the pointers otherwise.
 // Single core, warm, M = 64, SmolLM2's shapes, best of 30 passes, GFLOP/s (the chip's
 // vdpbf16ps peak measured 232): qkv 960 x 576 212 -> 226-233, gate/up 3072 x 576 186-201 ->
 // 211-220, down 576 x 1536 207-214 -> 229-233, results bit-identical; the engine's batch-64
-// decode step 6-10 % faster, in 15 of 16 alternated blocks (docs/benchmarks.md, twenty-third
-// session).
+// decode step 6-10 % faster, in 15 of 16 alternated blocks
+// (docs/perf-log/2026-cpu-decode.md).
 // lo[m] += x_m . w0, hi[m] += x_m . w1 (x_m: row m's pair, at p + m s, broadcast)
 #define TS_DP_ROW_C(m)                                                                    \
   if constexpr (R > m) {                                                                  \
@@ -219,8 +219,7 @@ constexpr int kRows = 12;
 // keep vdpbf16ps's latency behind the weight stream. On a Xeon with AMX (the builds for one:
 // isa.h's TS_AMX) the row also asks for the weights kRowAheadBytes ahead
 // into L2 (past a panel's end, the next panel's: they are contiguous): SmolLM2's 121 matmuls
-// at M = 1 13.5-13.9 -> 11.0-11.5 ms (4 and 8 KB ahead and prefetcht0 less; twentieth
-// session). On the Zen 5 EPYC a row's prefetches had measured nothing (ninth session), so
+// at M = 1 13.5-13.9 -> 11.0-11.5 ms (4 and 8 KB ahead and prefetcht0 less). On the Zen 5 EPYC a row's prefetches had measured nothing, so
 // other builds keep the plain loop.
 #ifdef TS_AMX
 constexpr int64_t kRowAheadBytes = 16 << 10;

@@ -2,19 +2,19 @@
 // (tritonserve::decode_layers_timing(True); `python -m bench profile` prints it): each
 // thread's time in a phase's own work (busy) and at the barrier that ends it (wait), summed
 // over the calls since timing was turned on. Off by default: one predictable branch a phase.
-// Why: the op is one opaque entry in torch.profiler's table (80 % of a batch-64 step); every
-// per-phase figure in docs/benchmarks.md until the twenty-third session needed a lab build.
+// Why: the op is one opaque entry in torch.profiler's table (80 % of a batch-64 step); without
+// this clock a per-phase figure needed a lab build.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstring>
+#include <vector>
 
 namespace tritonserve_phases {
 
 enum Phase { kNorm, kQkv, kAttention, kO, kGateUp, kDown, kPhases };
-constexpr int64_t kThreads = 64;  // decode_layers' team is at most this large
 
 // one thread's seconds, on cache lines of its own (the laps of two threads do not share one)
 struct alignas(64) Row {
@@ -24,11 +24,17 @@ struct alignas(64) Row {
 
 struct Totals {
   std::atomic<bool> on{false};
-  Row rows[kThreads];
+  std::vector<Row> rows;  // one a team member: start() grows it to the team
   int64_t calls = 0;
   void reset() {
-    std::memset(rows, 0, sizeof rows);
+    std::fill(rows.begin(), rows.end(), Row{});
     calls = 0;
+  }
+  // before a call's parallel region: whether timing is on, with a row for every member
+  bool start(int64_t threads) {
+    if (!on.load(std::memory_order_relaxed)) return false;
+    if (static_cast<int64_t>(rows.size()) < threads) rows.resize(threads);
+    return true;
   }
 };
 
@@ -41,12 +47,13 @@ inline Totals& totals() {
 // phase p's work / barrier time. Each thread writes only its own row of the totals.
 class Clock {
  public:
-  Clock(int64_t thread, bool on) : t_(thread), on_(on && thread < kThreads), last_(now()) {}
+  // on: Totals::start said so for a team that includes `thread`
+  Clock(int64_t thread, bool on) : row_(on ? &totals().rows[thread] : nullptr), last_(now()) {}
   void busy(Phase p) {
-    if (on_) add(totals().rows[t_].busy[p]);
+    if (row_ != nullptr) add(row_->busy[p]);
   }
   void wait(Phase p) {
-    if (on_) add(totals().rows[t_].wait[p]);
+    if (row_ != nullptr) add(row_->wait[p]);
   }
 
  private:
@@ -59,8 +66,7 @@ class Clock {
     slot += n - last_;
     last_ = n;
   }
-  int64_t t_;
-  bool on_;
+  Row* row_;
   double last_;
 };
 

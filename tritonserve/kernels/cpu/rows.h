@@ -19,7 +19,7 @@ using tritonserve_vec::store_f;
 // Both row loops are plain arithmetic on fp32 (bf16 converted on raw bits, exp a polynomial),
 // so `omp simd` vectorises them: through c10's conversions and std::exp they ran one element
 // at a time, and a 64-prompt bf16 prefill spent 20 % of its time in silu_and_mul (4.5 ms a
-// call for 1365 x 1536; tenth session, docs/benchmarks.md). Templates outside the dispatch
+// call for 1365 x 1536; docs/perf-log/2026-cpu-decode.md). Templates outside the dispatch
 // macro: a pragma inside a macro argument does not compile.
 #ifdef TS_AVX512_BF16
 // bf16 rows 16 at a time on AVX-512: the loops above stayed scalar for bf16 (240 ns a

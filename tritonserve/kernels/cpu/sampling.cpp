@@ -63,7 +63,7 @@ float chunk_weights(const T* l, int64_t begin, int64_t end, float m, float t, fl
 // torch.argmax's rule for a greedy row: the first index of the maximum (NaNs aside), in one
 // pass: per lane the value and index of its first maximum, then the smallest index holding
 // the row's max. The max pass then a scalar search for it took 0.71 ms for 64 x 49,152 bf16
-// logits, longer than a draw (0.49 ms); this, 0.07 ms (docs/benchmarks.md, thirteenth session).
+// logits, longer than a draw (0.49 ms); this, 0.07 ms (docs/perf-log/2026-cpu-decode.md).
 #ifdef TS_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32: the 16 bits shifted up

@@ -1,6 +1,6 @@
 """Compile every kernel ahead of time for an NVIDIA target, with no GPU present.
 
-python -m tritonserve.kernels.compile_check [--arch 90]
+python -m tritonserve.kernels.triton.compile_check [--arch 90]
 
 Triton ships ptxas, so TTIR -> PTX -> cubin runs on any machine: this catches what the
 interpreter cannot (dot shape limits, dtype rules, unsupported ops in compiled code). It
@@ -111,7 +111,7 @@ def compile_all(arch: int = 90, warp_size: int = 32,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tritonserve.kernels.compile_check")
+    parser = argparse.ArgumentParser(prog="python -m tritonserve.kernels.triton.compile_check")
     parser.add_argument("--arch", type=int, default=90, help="sm_XX (90 = H100/H200)")
     args = parser.parse_args(argv)
     done = compile_all(args.arch, report=lambda label, seconds: print(

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from .cache import cache_root
+from tritonserve.cache import cache_root
 
 log = logging.getLogger("tritonserve.kernels")
 
-FOLDER = Path(__file__).parent / "cpu"
+FOLDER = Path(__file__).parent
 SOURCES = [FOLDER / name for name in ("paged_decode.cpp", "fused_ops.cpp", "linear.cpp",
                                       "linear_bf16.cpp", "sampling.cpp", "decode_layers.cpp")]
 HEADERS = sorted(FOLDER.glob("*.h"))  # staged beside them, not compiled

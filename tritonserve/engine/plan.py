@@ -1,0 +1,132 @@
+"""The decode plan: what this engine's steps run, decided once at load, with the reason for
+each choice. Nothing else picks a path: the model runner builds what the plan names and
+dispatches on it once a step, the start-up line and /version print it, and a bug report can
+say which path ran.
+
+Four choices, each with its reason:
+- mode: how a decode-only step runs. layers: the whole decoder stack as one C++ op
+  (kernels/cpu/decode_layers.cpp); compile: torch.compile graphs; cudagraph /
+  compile+cudagraph: CUDA graphs per batch bucket; static: static buffers op by op (a test
+  fixture, not on the command line); eager: op by op. Prefill steps always run eager.
+- weights: the CPU projection weights' form (engine/models/linear.py). panels: the C++ panel
+  kernels (fp32, bf16); onednn: oneDNN's blocked layout; plain: [N, K] for F.linear.
+- attention: triton (CUDA), cpu (the C++ paged attention reading the cache in place), torch
+  (gather + SDPA).
+- draw: the sampler's draw. triton, cpu (the C++ softmax draw for rows with no top-k/p,
+  min-p), torch.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tritonserve.kernels import cpu
+
+from .config import EngineConfig
+from .models import ModelArch
+from .models.linear import PANEL_DTYPES, onednn_runs
+
+ONEDNN_UNTRACEABLE = ("compile", "compile+cudagraph")  # oneDNN's packed tensor is opaque
+
+# What auto runs on the CPU, by dtype. The layer stack in one op against the compiled graph on
+# a 2-core AVX512-BF16 EPYC, one process, steps alternated: bf16 9.86 vs 10.37 ms at batch 1,
+# 15.4 vs 16.8 at 16, 39.9 vs 41.6 at 64; fp32 14.4 vs 14.9, 36.9 vs 38.0, 143.8 vs 153.7; and
+# nothing to compile (docs/perf-log/2026-cpu-decode.md). fp16 has no panels: eager.
+CPU_DECODE_MODES = {"float32": "layers", "bfloat16": "layers"}
+# What auto runs where layers does not take the model (q/k norms; in bf16 a head size without
+# an instance, or a build without AVX512-BF16). fp32 SmolLM2 on a 2-core AVX2 EPYC, compiled
+# vs eager: 40 vs 46 ms a step at batch 1, 116 vs 125 at 16, 306 vs 370 at 64, for ~145 s of
+# compiling at the first start and ~30 s from the cache.
+LAYERS_FALLBACK = "compile"
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    mode: str
+    weights: str
+    attention: str
+    draw: str
+    why_mode: str
+    why_weights: str
+
+    def describe(self) -> str:
+        """One phrase for the start-up line."""
+        return (f"decode {self.mode} ({self.why_mode}), weights {self.weights}, attention "
+                f"{self.attention}, draw {self.draw}")
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def resolve_plan(config: EngineConfig, arch: ModelArch) -> DecodePlan:
+    """The plan for this config (dtype already resolved) and model. Raises ValueError where
+    the config names a path that cannot take the model (decode_mode layers on Qwen3)."""
+    device = torch.device(config.device).type
+    library = device == "cpu" and cpu.load()
+    mode, why_mode = _mode(config, arch, device, library)
+    weights, why_weights = _weights(config, device, library, mode)
+    attention = ("triton" if config.use_triton("attention")
+                 else "cpu" if library else "torch")
+    draw = "triton" if config.use_triton("sampler") else "cpu" if library else "torch"
+    return DecodePlan(mode, weights, attention, draw, why_mode, why_weights)
+
+
+def layers_refusal(config: EngineConfig, arch: ModelArch, library: bool) -> str | None:
+    """Why decode_layers cannot run this model in this dtype, or None when it can: it needs
+    the C++ library, the panels of the dtype, no q/k norms, an attention instance for the
+    head shapes, and in bf16 the gate/up epilogue (intermediate size a multiple of 16)."""
+    if not library:
+        return "no C++ CPU library"
+    group = arch.num_heads // arch.num_kv_heads
+    what = f"{arch.architecture} in {config.dtype}"
+    if config.torch_dtype not in PANEL_DTYPES:
+        return f"{what}: no panels in {config.dtype}"
+    if arch.qk_norm:
+        return f"{what}: q/k norms"
+    if config.dtype == "bfloat16" and arch.intermediate_size % 16:
+        return f"{what}: intermediate size {arch.intermediate_size} not a multiple of 16"
+    if cpu.decode_layers(config.torch_dtype, arch.head_dim, group,
+                             config.cache.block_size) is None:
+        return (f"{what}: no instance for head size {arch.head_dim}, {group} query heads a "
+                f"KV head, block size {config.cache.block_size} in this build "
+                f"({cpu.describe()})")
+    return None
+
+
+def _mode(config: EngineConfig, arch: ModelArch, device: str,
+          library: bool) -> tuple[str, str]:
+    asked = config.decode_mode
+    if asked == "layers":
+        refusal = layers_refusal(config, arch, library)
+        if refusal is not None:
+            raise ValueError(f"decode_mode 'layers' does not take {refusal}; it needs "
+                             f"float32, or bfloat16 on a CPU with AVX512-BF16 with head size "
+                             f"64 or 128, at most 8 query heads a KV head, a block size that "
+                             f"is a multiple of 16, and no q/k norms")
+        return "layers", "asked"
+    if asked != "auto":
+        return asked, "asked"
+    if device == "cuda" and config.use_triton("attention"):
+        return "cudagraph", "auto on CUDA"
+    if device != "cpu" or config.use_triton("attention"):
+        return "eager", f"auto on {device} with the {config.attention_backend} attention"
+    shipped = CPU_DECODE_MODES.get(config.dtype, "eager")
+    if shipped != "layers":
+        return shipped, f"auto on the CPU in {config.dtype}"
+    refusal = layers_refusal(config, arch, library)
+    if refusal is None:
+        return "layers", f"auto on the CPU in {config.dtype}"
+    return LAYERS_FALLBACK, f"auto; layers does not take {refusal}"
+
+
+def _weights(config: EngineConfig, device: str, library: bool, mode: str) -> tuple[str, str]:
+    if device != "cpu":
+        return "plain", f"on {device}"
+    if library and config.torch_dtype in PANEL_DTYPES:
+        return "panels", f"C++ panels in {config.dtype}"
+    if not onednn_runs(config.torch_dtype):
+        return "plain", f"oneDNN does not run {config.dtype} here"
+    if mode in ONEDNN_UNTRACEABLE:
+        return "plain", "torch.compile cannot trace oneDNN's packed weights"
+    return "onednn", "oneDNN's blocked layout (no C++ panels)"
