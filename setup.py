@@ -8,7 +8,7 @@ setup(
     # as `kernels` is shadowed by, or shadows, a dependency's (transformers 5.25 imports HF's
     # `kernels` package).
     packages=find_packages(include=["tritonserve", "tritonserve.*"]),
-    package_data={"tritonserve.kernels": ["cpu/*.cpp", "cpu/*.h"],
+    package_data={"tritonserve.kernels.cpu": ["*.cpp", "*.h"],
                   "tritonserve.bench": ["*.sh"]},
     entry_points={"console_scripts": ["tritonserve = tritonserve.cli:main"]},
     python_requires=">=3.10",
@@ -25,7 +25,7 @@ setup(
         "prometheus-client>=0.20",
         "numpy>=1.26",
         # Grammars for structured output and forced tool calls (vLLM's and SGLang's default);
-        # its token bitmask is applied in the sampler (engine/guided.py).
+        # its token bitmask is applied in the sampler (engine/structured.py).
         "xgrammar>=0.1.25",
         # Needed once, to convert the embedded SmolLM2 GGUF into safetensors.
         "gguf>=0.10",

@@ -75,3 +75,21 @@ def test_bench_throughput_runs_share_no_prompts_and_use_the_runs_dtype(tiny_mode
     assert result["prefix_hit_tokens"] == {"greedy": 0, "sampled": 0}
     assert result["ceiling_dtype"] == "bfloat16"
     assert "bfloat16 2048^3 matmul" in proc.stdout
+
+
+@pytest.mark.slow
+def test_ab_trees_alternates_two_checkouts_and_tabulates_the_ratio():
+    """`bench ab-trees` against this same checkout: both sides run, in turn, and the table's
+    ratio compares like with like (same code: near 1, far from a wrong pairing's)."""
+    proc = subprocess.run([sys.executable, "-m", "tritonserve.bench", "ab-trees", "--other", ".",
+                           "--batches", "1", "--rounds", "2", "--blocks", "2",
+                           "--block-steps", "3"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    sides = [line.split(":")[0] for line in lines if line.startswith("round")]
+    assert sides == ["round 1 batch 1 before", "round 1 batch 1 after",
+                     "round 2 batch 1 after", "round 2 batch 1 before"]
+    row = next(line for line in lines if line.startswith("| 1 |"))
+    best_ratio = float(row.split("|")[4].split("/")[0])
+    assert 0.5 < best_ratio < 2.0, row

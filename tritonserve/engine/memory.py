@@ -18,7 +18,7 @@ import logging
 import torch
 
 from .config import EngineConfig
-from .cpu_allocator import available_memory_bytes
+from .cpu_allocator import available_memory_bytes, keep_buffers_on_heap
 from .models import ModelArch
 
 log = logging.getLogger("tritonserve.engine")
@@ -92,6 +92,47 @@ def num_cache_blocks(config: EngineConfig, arch: ModelArch) -> int:
     if budget is None:
         budget = cpu_cache_bytes(config, arch)
     return blocks_in(budget, config, arch)
+
+
+class DeviceMemory:
+    """What the engine does with a device's memory, per device: the host allocator's settings,
+    a step's measured peak (CUDA; the CPU's cache is sized before the weights), and how the KV
+    cache is allocated."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu, self.cuda = device.type == "cpu", device.type == "cuda"
+        if self.cpu:
+            keep_buffers_on_heap()
+
+    def start_peak(self) -> int:
+        """Before a profiled step: the bytes in use now (CUDA), peak statistics reset."""
+        if not self.cuda:
+            return 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak_since(self, base: int) -> int:
+        """After it: the step's peak beyond `base` (0 off CUDA), the allocator's cache freed."""
+        if not self.cuda:
+            return 0
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        torch.cuda.empty_cache()
+        return peak
+
+    def check_cache_fits(self, num_blocks: int, config: EngineConfig, arch: ModelArch) -> None:
+        """The CPU's check before its cache is allocated (CUDA's was sized to fit)."""
+        if self.cpu:
+            check_cache_fits_memory(num_blocks, config, arch)
+
+    def allocate_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One K or V cache tensor. No kernel reads a slot past a sequence's length (the kernel
+        tests poison those slots with NaN), so the contents need no initialising; on the CPU
+        the pages are touched once here all the same: otherwise first-touch page faults land
+        inside the decode steps."""
+        return (torch.zeros if self.cpu else torch.empty)(shape, dtype=dtype, device=self.device)
 
 
 def check_cache_fits_memory(num_blocks: int, config: EngineConfig, arch: ModelArch) -> None:

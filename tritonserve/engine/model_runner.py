@@ -12,9 +12,8 @@ from tritonserve.kernels import cpu
 
 from .attention import AttentionMetadata, make_attention_backend
 from .config import EngineConfig
-from .cpu_allocator import keep_buffers_on_heap
 from .decode_graphs import DecodeGraphs, bucket_sizes
-from .memory import check_cache_fits_memory
+from .memory import DeviceMemory
 from .models import ForwardContext, ModelArch, build_model
 from .plan import resolve_plan
 from .request import Request
@@ -43,8 +42,7 @@ class ModelRunner:
         self.config = config
         self.arch = arch
         self.device = torch.device(config.device)
-        if self.device.type == "cpu":
-            keep_buffers_on_heap()
+        self.memory = DeviceMemory(self.device)
         self.plan = resolve_plan(config, arch)
         log.info("decode plan: %s", self.plan.describe())
         self.block_size = config.cache.block_size
@@ -101,21 +99,13 @@ class ModelRunner:
             prefill_max_q_len=max(lengths))
         positions = self._tensor([p for n in lengths for p in range(n)], torch.int64)
         input_ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        base = self.memory.start_peak()
         hidden = self.model(input_ids, positions, ForwardContext(meta, caches, self.backend))
         rows = hidden[:1].expand(min(sched.max_num_seqs, tokens), -1)
         logits = self.model.compute_logits(rows)  # [S, V]
         torch.softmax(logits.float(), dim=-1)  # the sampler's working copy
         del hidden, logits, caches
-        if self.device.type != "cuda":
-            return 0
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        torch.cuda.empty_cache()
-        return peak
+        return self.memory.peak_since(base)
 
     def allocate(self, num_blocks: int, max_model_len: int) -> None:
         """The KV cache (num_blocks for requests, from engine/memory.py, plus the null block
@@ -123,16 +113,12 @@ class ModelRunner:
         graphs of the decode mode."""
         config, arch = self.config, self.arch
         self.num_blocks = num_blocks
-        if self.device.type == "cpu":
-            check_cache_fits_memory(self.num_blocks, config, arch)
+        self.memory.check_cache_fits(self.num_blocks, config, arch)
         shape = (self.num_blocks + 1, self.block_size, arch.num_kv_heads, arch.head_dim)
-        # No kernel reads a slot past a sequence's length (the kernel tests poison those slots
-        # with NaN), so the contents need no initialising. On the CPU the pages are touched once
-        # here all the same: otherwise first-touch page faults land inside the decode steps.
-        allocate = torch.zeros if self.device.type == "cpu" else torch.empty
+        allocate = self.memory.allocate_cache
         try:
-            self.kv_caches = [(allocate(shape, dtype=config.torch_dtype, device=self.device),
-                               allocate(shape, dtype=config.torch_dtype, device=self.device))
+            self.kv_caches = [(allocate(shape, config.torch_dtype),
+                               allocate(shape, config.torch_dtype))
                               for _ in range(arch.num_layers)]
         except torch.OutOfMemoryError:
             self.kv_caches = []

@@ -121,6 +121,11 @@ struct Stack {
   std::vector<torch::Tensor> bias32;  // the qkv biases in fp32, padded to whole panels
   torch::Tensor slot, tables, lens, c, s, xs, qkv, q, att, o, gate_up, act, res, normed;
   torch::Tensor scratch;
+  // the buffers' and caches' data, read once (the phases index them per row and item)
+  T *xs_p, *qkv_p, *q_p, *att_p, *o_p, *gu_p, *act_p;
+  const T *cos_p, *sin_p;
+  const int64_t* slot_p;
+  std::vector<T*> k_p, v_p;  // [L]
   std::unique_ptr<Owned[]> owned;  // the panels of matmul i, thread t: [i * threads + t]
   std::unique_ptr<std::atomic<int64_t>[]> next;  // a layer's next attention item
   std::unique_ptr<tritonserve_sweep::Items> work;
@@ -241,6 +246,11 @@ struct Stack {
     }
     next.reset(new std::atomic<int64_t>[L]);
     for (int64_t l = 0; l < L; ++l) next[l].store(0);
+    xs_p = data<T>(xs), qkv_p = data<T>(qkv), q_p = data<T>(q), att_p = data<T>(att);
+    o_p = data<T>(o), gu_p = data<T>(gate_up), act_p = data<T>(act);
+    cos_p = data<T>(c), sin_p = data<T>(s), slot_p = slot.data_ptr<int64_t>();
+    for (int64_t l = 0; l < L; ++l)
+      k_p.push_back(data<T>(a.k_caches[l])), v_p.push_back(data<T>(a.v_caches[l]));
 #ifdef TS_AVX512_BF16
     if constexpr (kBf16) bf16_attend = tritonserve_decode_bf16::pick(D, group, block_size, false);
 #endif
@@ -276,12 +286,12 @@ struct Team {
   }
 
   void layer(int64_t l) {
-    norm(data<T>(st.xs), st.a.norms[2 * l]);
+    norm(st.xs_p, st.a.norms[2 * l]);
     clock.busy(Phase::kNorm);
-    matmul(4 * l, my_h, data<T>(st.qkv), st.qkv_n);
+    matmul(4 * l, my_h, st.qkv_p, st.qkv_n);
     meet(Phase::kQkv);
     attention_phase(l);
-    matmul(4 * l + 1, data<T>(st.att), data<T>(st.o), st.H);
+    matmul(4 * l + 1, st.att_p, st.o_p, st.H);
     meet(Phase::kO);
     mlp_phase(l);
   }
@@ -319,7 +329,7 @@ struct Team {
         const int64_t heads = st.a.num_heads;
         for (int64_t r = t; r < M * heads; r += team)
           tritonserve_decode_bf16::merge_parts(
-              work, r / heads, r % heads, reinterpret_cast<uint16_t*>(data<T>(st.att)) + r * st.D);
+              work, r / heads, r % heads, reinterpret_cast<uint16_t*>(st.att_p) + r * st.D);
         meet(Phase::kAttention);
       }
     }
@@ -328,13 +338,13 @@ struct Team {
 
   // the post-attention add + norm, gate/up with silu(gate) * up, down
   void mlp_phase(int64_t l) {
-    norm(data<T>(st.o), st.a.norms[2 * l + 1]);
+    norm(st.o_p, st.a.norms[2 * l + 1]);
     clock.busy(Phase::kNorm);
-    T* act = data<T>(st.act);
+    T* act = st.act_p;
     if constexpr (kBf16) {
       matmul(4 * l + 2, my_h, act, st.inter);
     } else {  // gate/up, then silu(gate) * up over this thread's share of the columns
-      T* gu = data<T>(st.gate_up);
+      T* gu = st.gu_p;
       const int64_t inter = st.inter;
       matmul(4 * l + 2, my_h, gu, 2 * inter);
       meet(Phase::kGateUp);
@@ -345,7 +355,7 @@ struct Team {
                                            act + r * inter + c0, c1 - c0);
     }
     meet(Phase::kGateUp);
-    matmul(4 * l + 3, act, data<T>(st.xs), st.H);
+    matmul(4 * l + 3, act, st.xs_p, st.H);
     meet(Phase::kDown);
   }
 
@@ -385,13 +395,13 @@ struct Team {
   // row b's rope and K/V write for KV heads [h0, h1)
   void rope_store(int64_t l, int64_t b, int64_t h0, int64_t h1) {
     const int64_t D = st.D, q_size = st.q_size, kv_size = st.kv_size, group = st.group;
-    const int64_t slot = st.slot.template data_ptr<int64_t>()[b];
-    const T* row = data<T>(st.qkv) + b * st.qkv_n;
-    const T* cb = data<T>(st.c) + b * D;
-    const T* sb = data<T>(st.s) + b * D;
-    T* kc = data<T>(st.a.k_caches[l]) + slot * kv_size;
-    T* vc = data<T>(st.a.v_caches[l]) + slot * kv_size;
-    T* qb = data<T>(st.q) + b * q_size;
+    const int64_t slot = st.slot_p[b];
+    const T* row = st.qkv_p + b * st.qkv_n;
+    const T* cb = st.cos_p + b * D;
+    const T* sb = st.sin_p + b * D;
+    T* kc = st.k_p[l] + slot * kv_size;
+    T* vc = st.v_p[l] + slot * kv_size;
+    T* qb = st.q_p + b * q_size;
     for (int64_t hk = h0; hk < h1; ++hk) {
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
         tritonserve_rows::rotate_row(row + h * D, cb, sb, qb + h * D, D / 2);
@@ -402,10 +412,10 @@ struct Team {
 
   // the item's attention over its KV heads [it.h0, it.h1): row b's q in, its att out
   void attend(int64_t l, const Item& it, const Item* following, int64_t b) {
-    const T* q_b = data<T>(st.q) + b * st.q_size;
-    T* att_b = data<T>(st.att) + b * st.q_size;
-    const T* kc = data<T>(st.a.k_caches[l]);
-    const T* vc = data<T>(st.a.v_caches[l]);
+    const T* q_b = st.q_p + b * st.q_size;
+    T* att_b = st.att_p + b * st.q_size;
+    const T* kc = st.k_p[l];
+    const T* vc = st.v_p[l];
     const int64_t D = st.D;
 #ifdef TS_AVX512_BF16
     if constexpr (kBf16) {

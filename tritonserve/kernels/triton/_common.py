@@ -42,6 +42,30 @@ def online_softmax_update(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, table_row_ptr, pos, valid, d, d_mask, kv_head,
+                 stride_cb, stride_ct, stride_ch, BLOCK_SIZE: tl.constexpr,
+                 MASKED: tl.constexpr, FP32: tl.constexpr):
+    """K and V [N, D] of a sequence's token positions pos [N], gathered through its block
+    table row (table_row_ptr): each position's page, then its slot in the page, for one KV
+    head. MASKED: positions where `valid` is false read as 0 (their slots may hold anything,
+    even NaN); unmasked, every position must be < the sequence's length. FP32: cast to fp32
+    (the interpreter's bf16 dot is wrong)."""
+    if MASKED:
+        block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+        kv_mask = valid[:, None] & d_mask[None, :]
+    else:
+        block = tl.load(table_row_ptr + pos // BLOCK_SIZE)
+        kv_mask = d_mask[None, :]
+    row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+    k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
 def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         raise ValueError("k_cache and v_cache must both be [num_blocks, block_size, "

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_cache_layout, compute_in_fp32, dot_precision, num_sms,
-                      online_softmax_update)
+from ._common import (check_cache_layout, compute_in_fp32, dot_precision, load_kv_tile,
+                      num_sms, online_softmax_update)
 
 MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 64  # a power of two: the merge kernel reads the splits as one tl.arange
@@ -60,15 +60,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         # a tile of TILE_N tokens spans TILE_N / BLOCK_SIZE pages: gather their slots
         pos = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
         valid = pos < seq_len  # slots past seq_len may hold anything (even NaN)
-        block = tl.load(block_tables_ptr + seq * stride_bts + pos // BLOCK_SIZE, mask=valid,
-                        other=0).to(tl.int64)
-        row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bts, pos,
+                            valid, d, d_mask, kv_head, stride_cb, stride_ct, stride_ch,
+                            BLOCK_SIZE, True, FP32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, TILE_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, PRECISION)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._common import (check_cache_layout, compute_in_fp32, dot_precision, interpreting,
-                      online_softmax_update)
+                      load_kv_tile, online_softmax_update)
 from .decode_attention import tile_tokens
 
 DEFAULT_BLOCK_M = 64  # rows per program where nothing is tuned (the interpreter)
@@ -84,30 +84,18 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for key_tile in range(0, full_tiles):
             k_pos = key_tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N], all < seq_len
-            block = tl.load(block_tables_ptr + seq * stride_bts + k_pos // BLOCK_SIZE)
-            row = (block.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_ct
-                   + kv_head * stride_ch)
-            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
-            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=d_mask[None, :], other=0.0)
-            if FP32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bts,
+                                k_pos, k_pos, d, d_mask, kv_head, stride_cb, stride_ct,
+                                stride_ch, BLOCK_SIZE, False, FP32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE_N]
             m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
         # the diagonal: key 0 is in the first tile any row visits, so no row's max stays -inf
         for key_tile in range(full_tiles, tl.cdiv(end_pos, TILE_N)):
             k_pos = key_tile * TILE_N + tl.arange(0, TILE_N)
             in_range = k_pos < seq_len  # slots past seq_len may hold anything (even NaN)
-            block = tl.load(block_tables_ptr + seq * stride_bts + k_pos // BLOCK_SIZE,
-                            mask=in_range, other=0)
-            row = (block.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_ct
-                   + kv_head * stride_ch)
-            kv_mask = in_range[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if FP32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bts,
+                                k_pos, in_range, d, d_mask, kv_head, stride_cb, stride_ct,
+                                stride_ch, BLOCK_SIZE, True, FP32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
             s = tl.where(visible, s, float("-inf"))
