@@ -75,6 +75,20 @@ def check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache must be contiguous")
 
 
+def attention_shapes(q: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(block_size, num_kv_heads, group) of an attention call, q [T, num_heads, head_dim]
+    checked against the caches' layout and heads."""
+    check_cache_layout(k_cache, v_cache)
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q heads {num_heads} x {head_dim} do not fit cache KV heads "
+                         f"{num_kv_heads} x {cache_head_dim}")
+    return block_size, num_kv_heads, num_heads // num_kv_heads
+
+
 next_power_of_2 = triton.next_power_of_2
 __all__ = ["tl", "triton", "interpreting", "compute_in_fp32", "dot_precision", "num_sms",
-           "check_cache_layout", "next_power_of_2", "online_softmax_update"]
+           "check_cache_layout", "attention_shapes", "load_kv_tile", "next_power_of_2",
+           "online_softmax_update"]

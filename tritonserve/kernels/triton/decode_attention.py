@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_cache_layout, compute_in_fp32, dot_precision, load_kv_tile,
+from ._common import (attention_shapes, compute_in_fp32, dot_precision, load_kv_tile,
                       num_sms, online_softmax_update)
 
 MIN_TOKENS_PER_SPLIT = 128
@@ -124,17 +124,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim] -> out of the same shape. num_splits overrides the
     heuristic (a power of two); max_seq_len avoids reading seq_lens back from the device."""
-    check_cache_layout(k_cache, v_cache)
+    block_size, num_kv_heads, group = attention_shapes(q, k_cache, v_cache)
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"q heads {num_heads} x {head_dim} do not fit cache KV heads "
-                         f"{num_kv_heads} x {cache_head_dim}")
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
-    group = num_heads // num_kv_heads
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_cache_layout, compute_in_fp32, dot_precision, interpreting,
+from ._common import (attention_shapes, compute_in_fp32, dot_precision, interpreting,
                       load_kv_tile, online_softmax_update)
 from .decode_attention import tile_tokens
 
@@ -121,13 +121,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             tile: tuple[int, int] | None = None) -> torch.Tensor:
     """q [total_query_tokens, num_heads, head_dim] -> out of the same shape.
     tile=(BLOCK_M rows, TILE_N keys) fixes the shape instead of autotuning it."""
-    check_cache_layout(k_cache, v_cache)
+    block_size, num_kv_heads, group = attention_shapes(q, k_cache, v_cache)
     total, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"q heads {num_heads} x {head_dim} do not fit cache KV heads "
-                         f"{num_kv_heads} x {cache_head_dim}")
-    group = num_heads // num_kv_heads
     if group > MAX_GROUP:
         raise ValueError(f"{group} query heads per KV head: at most {MAX_GROUP} supported")
     out = torch.empty_like(q) if out is None else out

@@ -1,0 +1,226 @@
+// The decode_layers op's checked arguments and a step's buffers (decode_layers.cpp runs the
+// team over them): Args as the op's schema names them, the checks every argument passes
+// before anything is written, the matmuls' panels, and the buffers the phases share, each
+// matmul input padded to whole AMX tiles (panels_amx.h).
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "owned_panels.h"
+#include "paged_decode_bf16.h"
+#include "paged_decode_portable.h"
+#include "panels_amx.h"
+#include "panels_bf16.h"
+#include "panels_fp32.h"
+
+namespace tritonserve_stack {
+
+using tritonserve_panels::Owned;
+using bf16 = c10::BFloat16;
+
+// Whether this build runs the op for a dtype and these shapes: fp32 always (the portable
+// attention takes any head size and block size); bf16 with AVX512-BF16, whose attention has
+// instances for head sizes 64 and 128, groups up to 8 and pages of a multiple of 16 slots.
+inline bool decode_layers_supported(c10::ScalarType dtype, int64_t head_dim, int64_t group,
+                             int64_t block_size) {
+  if (dtype == c10::kFloat) return head_dim % 2 == 0;
+#ifdef TS_AVX512_BF16
+  if (dtype == c10::kBFloat16)
+    return tritonserve_decode_bf16::pick(head_dim, group, block_size, false) != nullptr;
+#endif
+  (void)group, (void)block_size;
+  return false;
+}
+
+// The op's arguments, as the schema at the bottom names them.
+struct Args {
+  const torch::Tensor& x;
+  const std::vector<torch::Tensor>& norms;
+  const std::vector<torch::Tensor>& panels;
+  const std::vector<torch::Tensor>& biases;
+  const torch::Tensor& cos;
+  const torch::Tensor& sin;
+  const torch::Tensor& slot_mapping;
+  const std::vector<torch::Tensor>& k_caches;
+  const std::vector<torch::Tensor>& v_caches;
+  const torch::Tensor& block_tables;
+  const torch::Tensor& seq_lens;
+  int64_t num_heads;
+  double eps, scale;
+};
+
+// One matmul of the stack: P panels of a K-wide input's weight with N outputs, an fp32 bias
+// (bf16: padded to P * 32) or none; silu: bf16's gate/up epilogue (16 outputs a panel).
+struct Matmul {
+  const void* w;
+  int64_t K, N, P;
+  const float* bias;
+  bool silu;
+};
+
+template <typename T>
+T* data(const torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+// The checked arguments and the step's buffers, shared by the team.
+template <typename T>
+struct Stack {
+  static constexpr bool kBf16 = std::is_same_v<T, bf16>;
+  // bf16 panels [P, ceil(K / 2), 32, 2] (gate/up: 16 outputs a panel); fp32 [P, K, 16]
+  static constexpr int64_t cols = kBf16 ? tritonserve_panels_bf16::kCols
+                                        : tritonserve_panels_fp32::kPanel;
+  const Args& a;
+  int64_t L, M, H, block_size, kv_heads, D, group, q_size, kv_size, qkv_n, inter, Mp, threads;
+  std::vector<Matmul> mm;            // [4L]: qkv, o, gate/up, down of each layer
+  std::vector<torch::Tensor> bias32;  // the qkv biases in fp32, padded to whole panels
+  torch::Tensor slot, tables, lens, c, s, xs, qkv, q, att, o, gate_up, act, res, normed;
+  torch::Tensor scratch;
+  // the buffers' and caches' data, read once (the phases index them per row and item)
+  T *xs_p, *qkv_p, *q_p, *att_p, *o_p, *gu_p, *act_p;
+  const T *cos_p, *sin_p;
+  const int64_t* slot_p;
+  std::vector<T*> k_p, v_p;  // [L]
+  std::unique_ptr<Owned[]> owned;  // the panels of matmul i, thread t: [i * threads + t]
+  std::unique_ptr<std::atomic<int64_t>[]> next;  // a layer's next attention item
+  std::unique_ptr<tritonserve_sweep::Items> work;
+  bool split = false;  // a split call: rope + K/V writes first, the parts merged after
+  // the attention instance for the shapes (the item's KV heads [h0, h1))
+#ifdef TS_AVX512_BF16
+  tritonserve_decode_bf16::SeqFn bf16_attend = nullptr;
+#endif
+  decltype(&tritonserve_decode_portable::decode_seq<float, 0>) fp32_attend = nullptr;
+
+  explicit Stack(const Args& args) : a(args) {
+    check();
+    pack_matmuls();
+    allocate();
+  }
+
+  void check() {
+    const auto dtype = a.x.scalar_type();
+    L = static_cast<int64_t>(a.k_caches.size());
+    M = a.x.size(0), H = a.x.size(1);
+    const auto& k0 = a.k_caches[0];
+    block_size = k0.size(1), kv_heads = k0.size(2), D = k0.size(3);
+    for (int64_t l = 0; l < L; ++l)
+      TORCH_CHECK(a.k_caches[l].sizes() == k0.sizes() && a.v_caches[l].sizes() == k0.sizes() &&
+                      a.k_caches[l].is_contiguous() && a.v_caches[l].is_contiguous() &&
+                      a.k_caches[l].scalar_type() == dtype &&
+                      a.v_caches[l].scalar_type() == dtype,
+                  "decode_layers: every layer's caches must be contiguous, one shape, x's dtype");
+    TORCH_CHECK(a.num_heads >= 1 && a.num_heads % kv_heads == 0 && D % 2 == 0,
+                "decode_layers: num_heads must be a multiple of the caches' kv_heads");
+    group = a.num_heads / kv_heads;
+    TORCH_CHECK(decode_layers_supported(dtype, D, group, block_size),
+                "decode_layers: no attention instance for head size ", D, ", group ", group,
+                ", block size ", block_size);
+    q_size = a.num_heads * D, kv_size = kv_heads * D, qkv_n = q_size + 2 * kv_size;
+    TORCH_CHECK(a.cos.numel() == M * D && a.sin.numel() == M * D &&
+                    a.cos.scalar_type() == dtype && a.sin.scalar_type() == dtype,
+                "decode_layers: cos and sin must be [M, 1, D] in x's dtype");
+    TORCH_CHECK(a.slot_mapping.dim() == 1 && a.slot_mapping.size(0) == M &&
+                    a.slot_mapping.scalar_type() == torch::kInt64,
+                "decode_layers: slot_mapping must be int64 [M]");
+    TORCH_CHECK(a.block_tables.dim() == 2 && a.block_tables.size(0) == M &&
+                    a.block_tables.scalar_type() == torch::kInt32 && a.seq_lens.dim() == 1 &&
+                    a.seq_lens.size(0) == M && a.seq_lens.scalar_type() == torch::kInt32,
+                "decode_layers: block_tables int32 [M, W] and seq_lens int32 [M]");
+    slot = a.slot_mapping.contiguous(), tables = a.block_tables.contiguous();
+    lens = a.seq_lens.contiguous();
+    const int64_t slots = k0.size(0) * block_size, width = tables.size(1);
+    for (int64_t b = 0; b < M; ++b) {  // before any write: bad metadata changes nothing
+      const int64_t sl = slot.data_ptr<int64_t>()[b], n = lens.data_ptr<int32_t>()[b];
+      TORCH_CHECK(sl >= 0 && sl < slots, "decode_layers: slot ", sl, " out of range [0, ",
+                  slots, ")");
+      TORCH_CHECK(n >= 1 && n <= width * block_size, "decode_layers: seq_len ", n,
+                  " out of range [1, ", width * block_size, "]");
+    }
+  }
+
+  void pack_matmuls() {
+    const auto dtype = a.x.scalar_type();
+    inter = kBf16 ? a.panels[2].size(0) * (cols / 2) : a.panels[3].size(1);
+    mm.resize(4 * L);
+    bias32.resize(L);
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t in[4] = {H, q_size, H, inter}, out[4] = {qkv_n, H, 2 * inter, H};
+      for (int i = 0; i < 4; ++i) {
+        const auto& p = a.panels[4 * l + i];
+        const bool shaped = kBf16 ? p.dim() == 4 && p.size(2) == cols && p.size(3) == 2 &&
+                                        p.size(1) == (in[i] + 1) / 2
+                                  : p.dim() == 3 && p.size(2) == cols && p.size(1) == in[i];
+        TORCH_CHECK(shaped && p.is_contiguous() && p.scalar_type() == dtype &&
+                        out[i] > (p.size(0) - 1) * cols && out[i] <= p.size(0) * cols,
+                    "decode_layers: panels[", 4 * l + i, "] do not fit the layer's shapes");
+        mm[4 * l + i] = Matmul{p.data_ptr(), in[i], out[i], p.size(0), nullptr, kBf16 && i == 2};
+      }
+      for (int i = 0; i < 2; ++i)
+        TORCH_CHECK(a.norms[2 * l + i].numel() == H && a.norms[2 * l + i].is_contiguous() &&
+                        a.norms[2 * l + i].scalar_type() == dtype,
+                    "decode_layers: norms[", 2 * l + i, "] must be [H] in x's dtype");
+      if (!a.biases.empty()) {
+        TORCH_CHECK(a.biases[l].numel() == qkv_n, "decode_layers: biases[", l, "] must be [",
+                    qkv_n, "]");
+        bias32[l] = torch::zeros({mm[4 * l].P * cols}, a.x.options().dtype(torch::kFloat32));
+        bias32[l].narrow(0, 0, qkv_n).copy_(a.biases[l].reshape({qkv_n}));
+        mm[4 * l].bias = bias32[l].data_ptr<float>();
+      }
+    }
+  }
+
+  void allocate() {
+    threads = std::max<int64_t>(1, at::get_num_threads());
+    auto opts = a.x.options();
+    c = a.cos.contiguous(), s = a.sin.contiguous();
+    xs = a.x.clone();                                 // [M, H]: the input, then down's output
+    qkv = torch::empty({M, qkv_n}, opts);             // [M, (Hq + 2 Hk) D]
+    q = torch::empty({M, q_size}, opts);              // [M, Hq D] rotated
+    Mp = tritonserve_amx::padded_rows(M);             // a matmul input's rows (contracts)
+    att = torch::empty({Mp, q_size}, opts);           // [Mp, Hq D]
+    o = torch::empty({M, H}, opts);                   // [M, H]
+    gate_up = torch::empty({kBf16 ? 0 : M, 2 * inter}, opts);  // fp32: [M, 2I]
+    act = torch::empty({Mp, inter}, opts);            // [Mp, I]
+    res = torch::zeros({threads, M, H}, opts);        // each thread's residual stream
+    normed = torch::empty({threads, Mp, H}, opts);    // each thread's normed rows
+    owned.reset(new Owned[4 * L * threads]);
+    for (int64_t i = 0; i < 4 * L; ++i)
+      for (int64_t t = 0; t < threads; ++t)
+        owned[i * threads + t].span.store(static_cast<uint64_t>((t + 1) * mm[i].P / threads)
+                                              << 32 |
+                                          static_cast<uint64_t>(t * mm[i].P / threads));
+    work = std::make_unique<tritonserve_sweep::Items>(tables.data_ptr<int32_t>(),
+                                                      lens.data_ptr<int32_t>(), M,
+                                                      tables.size(1), kv_heads, threads,
+                                                      block_size, kBf16);
+    split = work->parts > 1;
+    if (split) {
+      scratch = torch::empty({work->scratch_floats(a.num_heads, D)},
+                             a.x.options().dtype(torch::kFloat32));
+      work->use_scratch(scratch.data_ptr<float>(), a.num_heads, D);
+    }
+    next.reset(new std::atomic<int64_t>[L]);
+    for (int64_t l = 0; l < L; ++l) next[l].store(0);
+    xs_p = data<T>(xs), qkv_p = data<T>(qkv), q_p = data<T>(q), att_p = data<T>(att);
+    o_p = data<T>(o), gu_p = data<T>(gate_up), act_p = data<T>(act);
+    cos_p = data<T>(c), sin_p = data<T>(s), slot_p = slot.data_ptr<int64_t>();
+    for (int64_t l = 0; l < L; ++l)
+      k_p.push_back(data<T>(a.k_caches[l])), v_p.push_back(data<T>(a.v_caches[l]));
+#ifdef TS_AVX512_BF16
+    if constexpr (kBf16) bf16_attend = tritonserve_decode_bf16::pick(D, group, block_size, false);
+#endif
+    fp32_attend = D == 64    ? tritonserve_decode_portable::decode_seq<float, 64>
+                  : D == 128 ? tritonserve_decode_portable::decode_seq<float, 128>
+                             : tritonserve_decode_portable::decode_seq<float, 0>;
+  }
+};
+
+}  // namespace tritonserve_stack
