@@ -36,6 +36,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "matplotlib>=3.8",
+                 # the client agent frameworks drive servers with (tests/test_langchain.py)
+                 "langchain-openai>=1.6",
                  # tests/test_packaging.py builds the wheel offline (--no-build-isolation)
                  "setuptools>=70.1"],
     },

@@ -54,11 +54,42 @@ def test_json_schema_output_validates(client, server):
 
 
 def test_json_object_output_parses(client, server):
-    out = chat(client, server, temperature=0, max_tokens=400,
+    """A random model's strings run on; leaning to the tokens that close them and the object
+    (+8), the answer ends within the budget and parses."""
+    tokenizer = server.engine.tokenizer
+    closing = {str(t): 8 for t in range(tokenizer.vocab_size)
+               if set(tokenizer.decode([t]).strip()) & set('"}')}
+    out = chat(client, server, temperature=0, max_tokens=400, logit_bias=closing,
                response_format={"type": "json_object"})
     choice = out.choices[0]
     assert choice.finish_reason == "stop", choice.message.content
     assert isinstance(json.loads(choice.message.content), dict)
+
+
+@pytest.mark.parametrize("extra", [{"response_format": {"type": "json_object"}},
+                                   {"structured_outputs": {"json_object": True}}])
+def test_json_object_is_an_object_when_the_model_leans_to_an_array(server, extra):
+    """json_object, both spellings, means an object at the top level (OpenAI's and vLLM's
+    rule), whatever the model would open with: the tokens that open an array or a string are
+    pushed up by +100, and the answer still opens an object. xgrammar's builtin JSON grammar
+    (the former rule) took any value and followed the push."""
+    tokenizer = server.engine.tokenizer
+    leaning = {str(t): 100 for t in range(tokenizer.vocab_size)
+               if tokenizer.decode([t]).lstrip()[:1] in ("[", '"')}
+    assert leaning
+    status, _, raw = request(server.port, "POST", "/v1/completions", {
+        "prompt": "A list:", "max_tokens": 40, "temperature": 0, "logit_bias": leaning,
+        **extra})
+    assert status == 200, raw
+    assert json.loads(raw)["choices"][0]["text"].lstrip()[:1] == "{"
+
+
+def test_json_object_grammar_takes_objects_only(tiny_model):
+    grammars = LLM(tiny_model).engine.grammars
+    for text, whole in (('{"a": [1, "x"], "b": {}}', True), ("[1, 2]", False), ('"s"', False),
+                        ("3", False)):
+        matcher = grammars.matcher(StructuredOutput("json_object"))
+        assert (matcher.accept_string(text) and matcher.is_completed()) == whole, text
 
 
 def test_vllm_regex_choice_and_grammar(server):

@@ -27,6 +27,7 @@ def _xgrammar():
     return xgrammar
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+JSON_OBJECT = '{"type": "object"}'  # what json_object means: OpenAI's and vLLM's
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,9 @@ class Grammars:
         try:
             if spec.kind == "json":
                 return self.compiler.compile_json_schema(spec.value, any_whitespace=False)
-            if spec.kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+            if spec.kind == "json_object":  # an object at the top, anything inside (vLLM's
+                # rule; xgrammar's builtin JSON grammar took any value: arrays, strings)
+                return self.compiler.compile_json_schema(JSON_OBJECT, any_whitespace=False)
             if spec.kind == "regex":
                 return self.compiler.compile_regex(spec.value)
             if spec.kind == "choice":
