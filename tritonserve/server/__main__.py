@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 import threading
@@ -27,6 +28,10 @@ def _sizes(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,11 +77,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--grace-period", type=float, default=v.grace_period,
                    help="seconds SIGTERM lets running streams finish")
     p.add_argument("--seed", type=int, default=e.seed)
+    p.add_argument("--api-key", default=os.environ.get("TRITONSERVE_API_KEY", v.api_key),
+                   help="the key every route but the probes wants (Authorization: Bearer "
+                   "KEY); default $TRITONSERVE_API_KEY, else none")
+    p.add_argument("--auth-probes", action="store_true", default=v.auth_probes,
+                   help="the key guards /health, /metrics and /version too")
+    p.add_argument("--allowed-origins", type=_names, default=v.allowed_origins,
+                   help="comma-separated origins browsers may call from (CORS); * for any")
+    p.add_argument("--served-model-name", nargs="+", type=str, default=v.served_model_name,
+                   help="the names requests may use (the first is reported); default the "
+                   "model folder's name and path")
     return p.parse_args(argv)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(**{f.name: getattr(args, f.name) for f in fields(ServerConfig)})
+    values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
+    values["served_model_name"] = tuple(values["served_model_name"])
+    return ServerConfig(**values)
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:

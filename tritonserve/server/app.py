@@ -12,6 +12,7 @@ from .async_engine import AsyncEngine, EngineUnavailableError, OverloadedError
 from .common import STATE, ApiError, ServerState, json_error
 from .config import ServerConfig
 from .metrics import Metrics
+from .operators import api_key, cors
 from .routes_native import generate
 from .routes_openai import chat_completions, completions, models
 from .routes_tokens import detokenize, tokenize, version
@@ -68,8 +69,10 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(),
               engine_thread: bool = True) -> web.Application:
     """engine_thread=False leaves stepping the engine to the caller (AsyncEngine.run()).
     Bodies over config.max_body_bytes get 413 before they are parsed."""
-    async_engine = AsyncEngine(engine, config.max_waiting)
-    app = web.Application(middlewares=[json_errors], client_max_size=config.max_body_bytes)
+    async_engine = AsyncEngine(engine, config.max_waiting, config.served_model_name)
+    # outermost first: CORS headers on every answer (401s too), preflights before the key
+    app = web.Application(middlewares=[cors, json_errors, api_key],
+                          client_max_size=config.max_body_bytes)
     app[STATE] = ServerState(engine=async_engine, metrics=Metrics(async_engine),
                              config=config)
 

@@ -65,10 +65,11 @@ class ModelCard:
     dtype: str  # what --dtype auto resolved to
     plan: DecodePlan  # what the steps run, with why (engine/plan.py)
     kernels: str  # which kernels serve: "Triton (CUDA)", "C++ CPU ops (ISA ...)", "torch"
+    aliases: tuple[str, ...] = ()  # --served-model-name: then the only names, name the first
 
-    def names(self) -> tuple[str, str]:
+    def names(self) -> tuple[str, ...]:
         """The names a request's `model` field may use."""
-        return self.name, self.root
+        return self.aliases or (self.name, self.root)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,8 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256,
+                 served_names: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self._lock = threading.Lock()
@@ -155,7 +157,8 @@ class AsyncEngine:
         self.dead: str | None = None  # why the engine died, once it has
         self.prompts = PromptTokenizer(engine.model_path, engine.max_model_len)
         self.card = ModelCard(
-            name=engine.model_name, root=str(engine.model_path),
+            name=served_names[0] if served_names else engine.model_name,
+            root=str(engine.model_path), aliases=tuple(served_names),
             max_model_len=engine.max_model_len, vocab_size=engine.arch.vocab_size,
             num_kv_blocks=engine.kv_cache.num_blocks, block_size=engine.kv_cache.block_size,
             dtype=engine.config.dtype, plan=engine.runner.plan,
@@ -224,6 +227,12 @@ class AsyncEngine:
             self._inbox.extend(new)
         self._wake.set()
         return RequestStream(self, [item.request_id for item in new], queue)
+
+    def in_flight(self, request_id: str) -> bool:
+        """A request (or one of its n choices, `id-k`) with this id has not ended."""
+        with self._lock:
+            return any(key == request_id or key.startswith(request_id + "-")
+                       for key in self._queues)
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -12,10 +12,17 @@ class ServerConfig:
     max_waiting: int = 256  # waiting requests beyond this get HTTP 503 at once
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get HTTP 413
     grace_period: float = 10.0  # seconds SIGTERM lets running streams finish
+    # server/operators.py: the key every route but the probes wants (none: open)
+    api_key: str | None = None
+    auth_probes: bool = False  # the key guards /health, /metrics and /version too
+    allowed_origins: tuple[str, ...] = ()  # CORS; "*" for any
+    served_model_name: tuple[str, ...] = ()  # the names requests may use; the first is reported
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
         if self.grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, got {self.grace_period}")

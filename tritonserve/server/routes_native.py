@@ -4,7 +4,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from .async_engine import now
-from .common import STATE, ApiError, done_event, new_request_id, parse_body, sampling_params
+from .common import STATE, ApiError, done_event, parse_body, sampling_params
+from .operators import request_id as caller_request_id
 from .driver import Choice, Payload, Renderer, respond
 from .schema import GenerateRequest, StreamTokenEvent, TokenLogprobs
 
@@ -53,6 +54,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
     params = sampling_params(body, body.logprobs)
     prompt_ids = (await state.engine.prompts.encode(body.prompt)
                   if isinstance(body.prompt, str) else list(body.prompt))
-    request_id = new_request_id("gen")
+    request_id = caller_request_id(request, "gen")
     items = state.engine.submit(request_id, [prompt_ids], params, arrival)
     return await respond(request, request_id, items, NativeRenderer(request_id), body.stream)

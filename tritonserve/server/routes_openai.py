@@ -17,7 +17,8 @@ from aiohttp import web
 from tritonserve.engine import FinishReason
 
 from .async_engine import now
-from .common import STATE, ApiError, error_body, new_request_id, parse_body, sampling_params
+from .common import STATE, ApiError, error_body, parse_body, sampling_params
+from .operators import request_id as caller_request_id
 from .driver import Choice, Payload, Renderer, respond
 from .schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIFields
 from .structured import structured_output
@@ -33,7 +34,8 @@ UNSUPPORTED = ("service_tier", "metadata", "suffix", "functions", "function_call
 def check_model(state, model: str | None) -> None:
     if model is not None and model not in state.engine.card.names():
         raise ApiError(404, "model_not_found", f"model {model!r} is not served here; "
-                       f"this server serves {state.engine.card.name!r}", "model")
+                       f"this server serves {' or '.join(map(repr, state.engine.card.names()))}",
+                       "model")
 
 
 def _check_supported(body: OpenAIFields) -> None:
@@ -232,7 +234,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if body.echo:
         echo = [p if isinstance(p, str) else await tokenizer.decode(p) for p in prompts]
     params = sampling_params(body, body.logprobs, structured=structured_output(body))
-    request_id = _start(state, "cmpl")
+    request_id = _start(request, "cmpl")
     items = state.engine.submit(request_id, ids, params, arrival, body.n)
     renderer = CompletionRenderer(state, request_id, body, echo)
     return await respond(request, request_id, items, renderer, body.stream)
@@ -259,20 +261,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     top = body.top_logprobs if body.logprobs else None
     params = sampling_params(body, (top or 0) if body.logprobs else None, max_tokens,
                              forced or structured)
-    request_id = _start(state, "chatcmpl")
+    request_id = _start(request, "chatcmpl")
     items = state.engine.submit(request_id, [prompt_ids], params, arrival, body.n)
     renderer = ChatRenderer(state, request_id, body, plan)
     return await respond(request, request_id, items, renderer, body.stream)
 
 
-def _start(state, prefix: str) -> str:
-    if state.draining:
+def _start(request: web.Request, prefix: str) -> str:
+    if request.app[STATE].draining:
         raise ApiError(503, "shutting_down", "the server is shutting down")
-    return new_request_id(prefix)
+    return caller_request_id(request, prefix)
 
 
 async def models(request: web.Request) -> web.Response:
     card = request.app[STATE].engine.card
     return web.json_response({"object": "list", "data": [{
-        "id": card.name, "object": "model", "created": 0, "owned_by": "tritonserve",
-        "root": card.root, "max_model_len": card.max_model_len}]})
+        "id": name, "object": "model", "created": 0, "owned_by": "tritonserve",
+        "root": card.root, "max_model_len": card.max_model_len}
+        for name in (card.aliases or (card.name,))]})
