@@ -84,6 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the key guards /health, /metrics and /version too")
     p.add_argument("--allowed-origins", type=_names, default=v.allowed_origins,
                    help="comma-separated origins browsers may call from (CORS); * for any")
+    p.add_argument("--step-timeout", type=float, default=v.step_timeout,
+                   help="seconds a step may run before the watchdog ends the engine (every "
+                   "stream gets an error event, /health 503, exit 1); default the larger of 60 "
+                   "and 20x the slowest step seen; 0: off")
     p.add_argument("--served-model-name", nargs="+", type=str, default=v.served_model_name,
                    help="the names requests may use (the first is reported); default the "
                    "model folder's name and path")
@@ -125,6 +129,9 @@ async def serve_http(app: web.Application, args: argparse.Namespace,
     await runner.cleanup()  # stops the engine loop on the main thread
 
 
+STALL_EXIT_DELAY = 1.0  # seconds the streams' error events get to reach their clients
+
+
 def main(argv: list[str] | None = None) -> int:
     """The engine steps on the main thread (see server/async_engine.py); the event loop runs
     in a second thread. SIGTERM / SIGINT start the drain. Exit status: 0 after a drain, 1 when
@@ -146,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     failure: list[BaseException] = []
+
+    def on_stall(reason: str) -> None:  # the main thread is stuck in the step: end the process
+        loop.call_later(STALL_EXIT_DELAY, os._exit, 1)  # once the error events are written
+
+    app[STATE].on_stall = on_stall
 
     def run_loop() -> None:
         try:

@@ -16,6 +16,7 @@ from .operators import api_key, cors
 from .routes_native import generate
 from .routes_openai import chat_completions, completions, models
 from .routes_tokens import detokenize, tokenize, version
+from .watchdog import watch
 
 log = logging.getLogger("tritonserve.server")
 
@@ -77,11 +78,19 @@ def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(),
                              config=config)
 
     async def start_engine(app: web.Application) -> None:
-        app[STATE].engine.bind_loop(asyncio.get_running_loop())
+        state = app[STATE]
+        state.engine.bind_loop(asyncio.get_running_loop())
         if engine_thread:
-            app[STATE].engine.start_thread()
+            state.engine.start_thread()
+        def stalled(why: str) -> None:
+            if state.on_stall is not None:
+                state.on_stall(why)
+
+        state.watchdog = asyncio.create_task(watch(state.engine, state.config.step_timeout,
+                                                   stalled))
 
     async def stop_engine(app: web.Application) -> None:
+        app[STATE].watchdog.cancel()
         app[STATE].engine.stop()
 
     app.on_startup.append(start_engine)

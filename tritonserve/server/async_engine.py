@@ -155,6 +155,10 @@ class AsyncEngine:
         self._stopping = False
         self.num_steps = 0
         self.dead: str | None = None  # why the engine died, once it has
+        # read by server/watchdog.py: when the running step began (None between steps), and
+        # the longest step so far in seconds
+        self.step_started: float | None = None
+        self.slowest_step = 0.0
         self.prompts = PromptTokenizer(engine.model_path, engine.max_model_len)
         self.card = ModelCard(
             name=served_names[0] if served_names else engine.model_name,
@@ -257,6 +261,12 @@ class AsyncEngine:
                 if target is not None:
                     target[0].put_nowait((target[1], failure))
 
+    def stalled(self, reason: str) -> None:
+        """On the event loop (server/watchdog.py): a step hangs. The engine counts as dead
+        (/health 503) and every open stream ends with an error event now; the step itself
+        cannot be interrupted."""
+        self._die([], reason)
+
     def _die(self, steps: list[GenerationStep], reason: str) -> None:
         """On the event loop: deliver the dead engine's last steps, end every other stream."""
         self.dead = reason
@@ -296,12 +306,17 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
+                self.step_started = started = time.monotonic()
                 steps = engine.step()
+                self.slowest_step = max(self.slowest_step, time.monotonic() - started)
+                self.step_started = None
             except EngineDeadError as exc:
                 log.critical("the engine died: %s", exc)
                 self.dead = str(exc)
                 if self._loop is not None:
                     self._loop.call_soon_threadsafe(self._die, exc.steps, str(exc))
+                return
+            if self.dead is not None:  # the watchdog gave up on that step: nothing to post
                 return
             self.num_steps += 1
             self._take_stats()

@@ -1,9 +1,11 @@
 """Pieces every route shares: JSON errors, body parsing, SSE framing, request state."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from aiohttp import web
@@ -49,6 +51,10 @@ class ServerState:
     metrics: Metrics
     config: ServerConfig
     draining: bool = False
+    # what the watchdog does after ending the streams (server/watchdog.py); the server's main
+    # ends the process
+    on_stall: Callable[[str], None] | None = None
+    watchdog: asyncio.Task | None = None
 
 
 STATE = web.AppKey("state", ServerState)

@@ -17,6 +17,8 @@ class ServerConfig:
     auth_probes: bool = False  # the key guards /health, /metrics and /version too
     allowed_origins: tuple[str, ...] = ()  # CORS; "*" for any
     served_model_name: tuple[str, ...] = ()  # the names requests may use; the first is reported
+    # server/watchdog.py: a step older than this ends the engine (None: auto; 0: off)
+    step_timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_body_bytes"):
@@ -24,5 +26,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.step_timeout is not None and self.step_timeout < 0:
+            raise ValueError(f"step_timeout must be >= 0 (0: off), got {self.step_timeout}")
         if self.grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, got {self.grace_period}")

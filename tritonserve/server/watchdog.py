@@ -1,0 +1,52 @@
+"""The step watchdog: a step that runs past its limit (a deadlock, a stuck kernel) would leave
+/health at 200 and every stream waiting forever (vLLM and SGLang have this hole). On the event
+loop, once a second, it compares the running step's age with the limit; past it, the engine
+counts as dead (/health 503 with the reason), every open stream ends with an `engine_dead`
+error event, and `on_stall` runs: the server's main ends the process (exit 1) a moment later,
+for a supervisor to restart it.
+
+The limit: `--step-timeout S`; by default the larger of STEP_TIMEOUT_FLOOR and STALL_FACTOR x
+the slowest step seen so far (a long prefill or the first compiled step is not a stall); 0
+turns the watchdog off.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from .async_engine import AsyncEngine
+
+log = logging.getLogger("tritonserve.server")
+
+STEP_TIMEOUT_FLOOR = 60.0  # seconds
+STALL_FACTOR = 20.0
+
+
+def step_limit(engine: AsyncEngine, step_timeout: float | None) -> float:
+    if step_timeout is not None:
+        return step_timeout
+    return max(STEP_TIMEOUT_FLOOR, STALL_FACTOR * engine.slowest_step)
+
+
+async def watch(engine: AsyncEngine, step_timeout: float | None,
+                on_stall: Callable[[str], None] | None = None) -> None:
+    """Runs until the engine is dead (by the watchdog or otherwise)."""
+    if step_timeout == 0:
+        return
+    interval = min(1.0, step_timeout / 4) if step_timeout else 1.0
+    while engine.dead is None:
+        await asyncio.sleep(interval)
+        started, limit = engine.step_started, step_limit(engine, step_timeout)
+        if started is None or engine.dead is not None:
+            continue
+        age = time.monotonic() - started
+        if age > limit:
+            reason = (f"a step has run {age:.1f} s, past the watchdog's {limit:.1f} s "
+                      f"(--step-timeout): the engine is stuck")
+            log.critical("%s; ending every stream", reason)
+            engine.stalled(reason)
+            if on_stall is not None:
+                on_stall(reason)
+            return
