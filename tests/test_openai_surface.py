@@ -232,3 +232,20 @@ def test_sampling_ranges_come_from_sampling_params(server):
     payloads = sse_payloads(request(server.port, "POST", "/generate",
                                     {"prompt": "hi", "max_tokens": 2, "stream": True})[2])
     assert payloads[-1]["type"] == "done"
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client, server):
+    """usage.prompt_tokens_details.cached_tokens: 0 for a new prompt, its full blocks (16
+    tokens each) when the same prompt comes again; streamed usage says the same."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6 + "unique tail 7931"
+    first = client.completions.create(model=server.engine.model_name, prompt=prompt,
+                                      max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=server.engine.model_name, prompt=prompt,
+                                       max_tokens=2, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached % 16 == 0 and cached <= second.usage.prompt_tokens
+    chunks = list(client.completions.create(
+        model=server.engine.model_name, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached

@@ -280,5 +280,5 @@ class LLMEngine:
             first_token=request.first_token_time or now,
             finish=now)
         completion = Completion(reason, request.num_prompt_tokens, request.num_output_tokens,
-                                timing, tail, matched, error)
+                                timing, tail, matched, error, request.cached_prompt_tokens)
         return GenerationStep(request.request_id, None, completion)

@@ -68,6 +68,7 @@ class Completion:
     tail_text: str = ""
     matched_stop: str | int | None = None
     error: str | None = None  # set when reason is ERROR
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (OpenAI's usage reports it)
 
 
 @dataclass(frozen=True)

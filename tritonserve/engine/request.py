@@ -30,6 +30,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading full blocks already registered in the prefix cache
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache held at the first schedule
     block_hashes: list[bytes] = field(default_factory=list)  # sha256 chain, kv_cache.py
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

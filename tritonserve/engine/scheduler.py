@@ -105,6 +105,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.perf_counter()
+                request.cached_prompt_tokens = min(num_cached_tokens, request.num_prompt_tokens)
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_cached_tokens, num_new))
             budget -= num_new

@@ -50,9 +50,12 @@ def _check_supported(body: OpenAIFields) -> None:
 
 
 def _usage(choices: list[Choice], n: int) -> dict:
-    prompt = sum(c.completion.prompt_tokens for c in choices if c.index % n == 0)
+    """Each prompt counted once (its first choice), with the tokens the prefix cache served."""
+    firsts = [c.completion for c in choices if c.index % n == 0]
+    prompt = sum(c.prompt_tokens for c in firsts)
     output = sum(c.completion.output_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
+    return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)}}
 
 
 class OpenAIRenderer(Renderer):
