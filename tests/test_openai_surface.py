@@ -249,3 +249,29 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(client, server)
         model=server.engine.model_name, prompt=prompt, max_tokens=2, temperature=0, stream=True,
         stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hello there", "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello there"}]})])
+def test_continuous_usage_stats_put_usage_so_far_in_every_chunk(server, path, body):
+    """stream_options.continuous_usage_stats (with include_usage): each chunk carries its
+    choice's usage so far, the tokens counted as they stream; the last usage chunk as before."""
+    status, _, raw = request(server.port, "POST", path, {
+        **body, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert status == 200
+    chunks = [p for p in sse_payloads(raw) if p != "[DONE]"]
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 5 * body.get("n", 1)
+    seen: dict[int, list[int]] = {}
+    for chunk in chunks[:-1]:
+        usage, index = chunk["usage"], chunk["choices"][0]["index"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["prompt_tokens"] == final["usage"]["prompt_tokens"]  # one prompt
+        seen.setdefault(index, []).append(usage["completion_tokens"])
+    for counts in seen.values():  # rising one a token chunk, ending at the choice's tokens
+        assert counts == sorted(counts) and counts[-1] == 5, counts
+    status, _, raw = request(server.port, "POST", path, {
+        **body, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})
+    assert all(p["usage"] is None for p in sse_payloads(raw)[:-2])  # off: null as before

@@ -63,7 +63,8 @@ class OpenAIRenderer(Renderer):
 
     object = ""
 
-    def __init__(self, state, request_id: str, body: OpenAIFields, want_logprobs: bool) -> None:
+    def __init__(self, state, request_id: str, body: OpenAIFields, want_logprobs: bool,
+                 prompt_lens: list[int]) -> None:
         self.prompts = state.engine.prompts
         self.model = state.engine.card.name
         self.head = {"id": request_id, "created": int(time.time()), "model": self.model}
@@ -71,9 +72,33 @@ class OpenAIRenderer(Renderer):
         self.want_logprobs = want_logprobs
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.extra = {"usage": None} if self.include_usage else {}
+        # continuous_usage_stats: every chunk carries its choice's usage so far (vLLM's)
+        self.continuous = self.include_usage and body.stream_options.continuous_usage_stats
+        self.prompt_lens = prompt_lens  # per prompt
+        self.generated: dict[int, int] = {}  # choice -> tokens streamed so far
 
     def chunk(self, choice: dict) -> dict:
-        return {**self.head, "object": self.chunk_object, "choices": [choice], **self.extra}
+        extra = self.extra
+        if self.continuous:
+            index = choice["index"]
+            prompt, output = self.prompt_lens[index // self.n], self.generated.get(index, 0)
+            extra = {"usage": {"prompt_tokens": prompt, "completion_tokens": output,
+                               "total_tokens": prompt + output}}
+        return {**self.head, "object": self.chunk_object, "choices": [choice], **extra}
+
+    def token(self, index, token) -> list[Payload]:
+        self.generated[index] = self.generated.get(index, 0) + 1
+        return self.token_chunks(index, token)
+
+    def token_chunks(self, index, token) -> list[Payload]:
+        raise NotImplementedError
+
+    def finish(self, index, completion) -> list[Payload]:
+        self.generated[index] = completion.output_tokens  # the authoritative count
+        return self.finish_chunks(index, completion)
+
+    def finish_chunks(self, index, completion) -> list[Payload]:
+        raise NotImplementedError
 
     @property
     def chunk_object(self) -> str:
@@ -100,8 +125,9 @@ class OpenAIRenderer(Renderer):
 class CompletionRenderer(OpenAIRenderer):
     object = "text_completion"
 
-    def __init__(self, state, request_id, body, echo_texts: list[str] | None) -> None:
-        super().__init__(state, request_id, body, body.logprobs is not None)
+    def __init__(self, state, request_id, body, echo_texts: list[str] | None,
+                 prompt_lens: list[int]) -> None:
+        super().__init__(state, request_id, body, body.logprobs is not None, prompt_lens)
         self.echo_texts = echo_texts  # per prompt, when echo is set
 
     def _logprobs(self, tokens) -> dict | None:
@@ -123,10 +149,10 @@ class CompletionRenderer(OpenAIRenderer):
         return [self.chunk(self._choice(i, self.echo_texts[i // self.n], [], None))
                 for i in range(len(self.echo_texts) * self.n)]
 
-    def token(self, index, token) -> list[Payload]:
+    def token_chunks(self, index, token) -> list[Payload]:
         return [self.chunk(self._choice(index, token.text, [token], None))]
 
-    def finish(self, index, completion) -> list[Payload]:
+    def finish_chunks(self, index, completion) -> list[Payload]:
         return [self.chunk(self._choice(index, completion.tail_text, [],
                                         OPENAI_REASON[completion.reason]))]
 
@@ -140,8 +166,9 @@ class ChatRenderer(OpenAIRenderer):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, state, request_id, body, plan: ToolPlan | None) -> None:
-        super().__init__(state, request_id, body, body.logprobs)
+    def __init__(self, state, request_id, body, plan: ToolPlan | None,
+                 prompt_len: int) -> None:
+        super().__init__(state, request_id, body, body.logprobs, [prompt_len])
         self._started: set[int] = set()
         self.plan = plan
         self._held: dict[int, list[str]] = {}  # streamed text held back for the tool parser
@@ -175,14 +202,14 @@ class ChatRenderer(OpenAIRenderer):
             return {"role": "assistant", "content": text}
         return {"content": text} if text or not final else {}
 
-    def token(self, index, token) -> list[Payload]:
+    def token_chunks(self, index, token) -> list[Payload]:
         if self.plan is not None and self.plan.buffers_output:
             self._held.setdefault(index, []).append(token.text)
             return []
         return [self.chunk({"index": index, "delta": self._delta(index, token.text, False),
                             "logprobs": self._logprobs([token]), "finish_reason": None})]
 
-    def finish(self, index, completion) -> list[Payload]:
+    def finish_chunks(self, index, completion) -> list[Payload]:
         finish = OPENAI_REASON[completion.reason]
         if self.plan is not None and self.plan.buffers_output:
             text = "".join(self._held.pop(index, [])) + completion.tail_text
@@ -239,7 +266,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     params = sampling_params(body, body.logprobs, structured=structured_output(body))
     request_id = _start(request, "cmpl")
     items = state.engine.submit(request_id, ids, params, arrival, body.n)
-    renderer = CompletionRenderer(state, request_id, body, echo)
+    renderer = CompletionRenderer(state, request_id, body, echo, [len(p) for p in ids])
     return await respond(request, request_id, items, renderer, body.stream)
 
 
@@ -266,7 +293,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                              forced or structured)
     request_id = _start(request, "chatcmpl")
     items = state.engine.submit(request_id, [prompt_ids], params, arrival, body.n)
-    renderer = ChatRenderer(state, request_id, body, plan)
+    renderer = ChatRenderer(state, request_id, body, plan, len(prompt_ids))
     return await respond(request, request_id, items, renderer, body.stream)
 
 
