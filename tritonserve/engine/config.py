@@ -14,6 +14,11 @@ DTYPE_CHOICES = ("auto", *_DTYPES)  # auto: the model's dtype where the device r
 # buffers op by op, the CUDA-graph path minus the capture) is a test fixture: not in CLI_MODES.
 DECODE_MODES = ("auto", "eager", "static", "compile", "cudagraph", "compile+cudagraph", "layers")
 CLI_DECODE_MODES = tuple(m for m in DECODE_MODES if m != "static")
+# Projection weights: gguf serves a GGUF file's quantized blocks as they are
+# (engine/models/gguf.py); int4 / int8 quantize a checkpoint's weights at load
+# (kernels/quant_layout.py: quantize); none the dense weights (a GGUF's dense conversion);
+# auto: engine/plan.py decides (AUTO_QUANTIZATION) and says why.
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -64,12 +69,13 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # local HF folder; None means the embedded SmolLM2
+    model: str | None = None  # local HF folder or .gguf file; None: the embedded SmolLM2
     device: str = "cpu"
     dtype: str = "auto"  # resolved by LLMEngine before anything reads torch_dtype
     attention_backend: str = "auto"  # auto | torch | triton
     sampler_backend: str = "auto"  # auto | torch | triton
     load_format: str = "safetensors"  # safetensors | dummy
+    quantization: str = "auto"  # QUANTIZATIONS
     decode_mode: str = "auto"  # DECODE_MODES; --enforce-eager sets eager
     # batch sizes a non-eager decode mode builds (vLLM's cudagraph capture sizes); empty:
     # 1, 2, 4, then every multiple of 8 up to max_num_seqs. Larger decode steps run eager.
@@ -105,6 +111,9 @@ class EngineConfig:
         if bad:
             raise ValueError(f"decode_buckets must be batch sizes in [1, max_num_seqs "
                              f"{self.scheduler.max_num_seqs}], got {bad}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
+                             f"{self.quantization!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be safetensors or dummy, got {self.load_format!r}")
 

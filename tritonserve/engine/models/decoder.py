@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tritonserve.kernels import cpu
+from tritonserve.kernels import cpu, quant_layout
 
 from ..attention import AttentionBackend, AttentionMetadata
 from . import ops
@@ -165,15 +165,62 @@ class DecoderForCausalLM(nn.Module):
                 module.fuse_silu()
             elif isinstance(module, Linear):
                 module.pack(form, batch_hint)
-        if self.arch.tie_word_embeddings:
+        if self.arch.tie_word_embeddings and self.packed_tied_lm_head is None:
             self.packed_tied_lm_head = pack(self.embed_tokens.weight, form, batch_hint)
+
+    def quantize_weights(self, kind: str) -> None:
+        """Every projection quantized at load into `kind` (u4: int4, groups of 32, scale and
+        offset; s8: int8 per channel; kernels/quant_layout.py) where its row length is a
+        multiple of 32; the lm_head in s8 either way (a 4-bit output layer costs the most
+        accuracy: llama.cpp keeps it at Q6_K / Q8_0 too)."""
+        for layer in self.layers:
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                if weight_form(linear.weight) == "plain" and linear.in_features % 32 == 0:
+                    linear.weight = nn.Parameter(quant_layout.quantize(linear.weight, kind),
+                                                 requires_grad=False)
+        if self.arch.hidden_size % 32 == 0:
+            if self.arch.tie_word_embeddings:
+                self.packed_tied_lm_head = quant_layout.quantize(self.embed_tokens.weight, "s8")
+            else:
+                self.lm_head.weight = nn.Parameter(
+                    quant_layout.quantize(self.lm_head.weight, "s8"), requires_grad=False)
+
+    def load_quantized(self, tensors: dict) -> None:
+        """The projections (and the lm_head) as quantized panels in place of the dense
+        weights: tensors by Hugging Face name (engine/models/gguf.py's read_quantized). q, k, v
+        and gate, up are stacked into the fused weights; a layer whose parts differ in kind
+        keeps its dense weights. The embedding stays dense for the lookup."""
+        from .gguf import fuse_rows
+
+        def use(linear: Linear, names: list[str]) -> None:
+            parts = [tensors.get(n) for n in names]
+            if all(p is not None for p in parts):
+                packed = fuse_rows(parts)
+                if packed is not None:
+                    linear.weight = nn.Parameter(packed, requires_grad=False)
+
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            use(attn.qkv_proj, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"])
+            use(attn.o_proj, [f"{p}self_attn.o_proj.weight"])
+            use(mlp.gate_up_proj, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"])
+            use(mlp.down_proj, [f"{p}mlp.down_proj.weight"])
+        if self.arch.tie_word_embeddings:
+            head = tensors.get("model.embed_tokens.weight")
+            if head is not None:
+                self.packed_tied_lm_head = head.packed
+        else:
+            use(self.lm_head, ["lm_head.weight"])
 
     def decode_layers(self, block_size: int):
         """The C++ op that runs this model's whole layer stack for a decode step
         (kernels/cpu/decode_layers.cpp) with its weights, as a function of (input_ids,
         positions, ctx) -> hidden [T, hidden]. For a plan whose mode is layers (engine/plan.py
-        checked that the op takes the model): every projection in panels, bf16 gate/up with
-        its activation in the matmul; a model in another state is refused."""
+        checked that the op takes the model): every projection in panels or quantized panels,
+        a bf16 dense gate/up with its activation in the matmul; a model in another state is
+        refused."""
         arch = self.arch
         dtype = self.embed_tokens.weight.dtype
         op = cpu.decode_layers(dtype, arch.head_dim, arch.num_heads // arch.num_kv_heads,
@@ -182,11 +229,12 @@ class DecoderForCausalLM(nn.Module):
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
             layer.mlp.down_proj)]
         if (op is None or arch.qk_norm
-                or any(layer.mlp.silu_in_matmul != (dtype == torch.bfloat16)
-                       for layer in self.layers)
-                or any(weight_form(lin.weight) != "panels" for lin in linears)):
+                or any(layer.mlp.silu_in_matmul != (dtype == torch.bfloat16 and weight_form(
+                    layer.mlp.gate_up_proj.weight) == "panels") for layer in self.layers)
+                or any(weight_form(lin.weight) not in ("panels", "quant") for lin in linears)):
             raise ValueError("decode_layers: the model is not in the layers plan's state "
-                             "(C++ panels, bf16 gate/up with its activation, no q/k norms)")
+                             "(C++ panels or quantized panels, bf16 dense gate/up with its "
+                             "activation, no q/k norms)")
         norms = [n.weight for layer in self.layers
                  for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         panels = [lin.weight for lin in linears]

@@ -1,13 +1,16 @@
 """The decoder's matmul, `Linear`, and the one-time packing of its weight into the form the
 decode plan names (engine/plan.py: `weights`).
 
-A weight is used in one of four forms, `weight_form(weight)` tells which:
+A weight is used in one of five forms, `weight_form(weight)` tells which:
 - plain [N, K]: `ops.plain_linear` (oneDNN's inner product on the CPU, F.linear elsewhere);
 - onednn: oneDNN's blocked layout (an mkldnn tensor), where there are no C++ panels;
 - panels: the C++ panel kernels, fp32 [ceil(N / 16), K, 16] for kernels/cpu/linear.cpp, bf16
   [ceil(N / 32), ceil(K / 2), 32, 2] for kernels/cpu/linear_bf16.cpp (on a Zen 5 EPYC with
   AVX512-BF16, 1.2-1.4x oneDNN-prepacked at batch 1, 10-25 % faster to 64 rows, even from 128
   to 2048: docs/perf-log/2026-cpu-decode.md);
+- quant: weight-only quantized panels, uint8 (kernels/quant_layout.py: a GGUF file's Q4_0 /
+  Q4_1 / Q8_0 blocks as they are), for kernels/cpu/linear_quant.cpp in fp32 or bf16; loaded
+  already packed (engine/models/gguf.py), never packed from a dense weight here;
 - silu panels: an MLP's gate/up as bf16 panels with its rows interleaved 16 / 16, the
   activation in the matmul's epilogue (`Linear.fuse_silu`): [M, K] -> silu(gate) * up [M, I].
 Panels against oneDNN-prepacked on an AVX2 EPYC (2 threads), SmolLM2's 121 decode matmuls with
@@ -19,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tritonserve.kernels import cpu
+from tritonserve.kernels import cpu, quant_layout
 
 from .ops import onednn_runs, plain_linear
 
@@ -29,6 +32,8 @@ PANEL_DTYPES = (torch.float32, torch.bfloat16)
 def weight_form(weight: torch.Tensor) -> str:
     if weight.is_mkldnn:
         return "onednn"
+    if quant_layout.kind_of(weight) is not None:
+        return "quant"
     return {2: "plain", 3: "panels", 4: "panels"}[weight.dim()]
 
 
@@ -63,6 +68,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if out_features is None:
         raise ValueError("linear: out_features is required with a panel-packed weight")
+    if form == "quant":
+        return torch.ops.tritonserve.packed_linear_quant(x.contiguous(), weight, out_features,
+                                                         bias)
     # a weight in panels means the library is loaded: the op itself (a compiled graph calls
     # it as it is), fp32 panels 3-D, bf16 4-D
     product = (torch.ops.tritonserve.packed_linear_bf16 if weight.dim() == 4

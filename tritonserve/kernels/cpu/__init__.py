@@ -95,6 +95,10 @@ OPS: tuple[tuple[str, object, str], ...] = (
      "(x [M, K] bf16, panels, N, bias or None) -> x @ weight^T + bias in bf16, fp32 sums"),
     ("packed_linear_silu_mul_bf16", _fake(lambda x, panels: (x.shape[0], panels.shape[0] * 16)),
      "(x [M, K] bf16, pack_gate_up_bf16 panels) -> silu(x @ gate^T) * (x @ up^T) [M, I]"),
+    ("packed_linear_quant", _fake(lambda x, weight, n, bias: (x.shape[0], n)),
+     "(x [M, K] fp32 or bf16, weight uint8 panels of kernels/quant_layout.py, N, bias or None) "
+     "-> x @ dequantize(weight)^T + bias in x's dtype, the weight widened in registers "
+     "(linear_quant.cpp)"),
     ("decode_layers",
      lambda x, *args: (x.new_empty(x.shape), x.new_empty(x.shape)),
      "a decode step's whole decoder stack in one parallel region (decode_layers.cpp); ask "

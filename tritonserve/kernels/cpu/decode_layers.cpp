@@ -2,7 +2,8 @@
 //   decode_layers(x [M, H] (the embedded tokens), norms [2L] (each layer's input and
 //     post-attention RMSNorm weights, [H]), panels [4L] (qkv, o, gate/up, down, packed as the
 //     dtype's matmul op reads them: bf16 pack_linear_weight_bf16, gate/up in
-//     pack_gate_up_bf16's layout; fp32 pack_linear_weight), biases [L] (the qkv bias,
+//     pack_gate_up_bf16's layout; fp32 pack_linear_weight; or any of them uint8 quantized
+//     panels, kernels/quant_layout.py), biases [L] (the qkv bias,
 //     (Hq + 2 Hk) D, or none at all: an empty list), cos, sin [M, 1, D] (the step's rope
 //     lookup), slot_mapping [M] int64, k_caches!, v_caches! [L] ([blocks, block, Hk, D]),
 //     block_tables [M, W] int32, seq_lens [M] int32 (context lengths with the new token),
@@ -12,7 +13,8 @@
 // qkv (+ bias); for each (sequence, KV heads) item, q and k rotated, k and v written at the
 // sequence's slot, then its decode attention (bf16: paged_decode_bf16.h's streaming
 // schedule; fp32: paged_decode_portable.h); o; the post-attention add + norm; gate/up (bf16:
-// silu(gate) * up in the epilogue; fp32: then silu_and_mul over column shares); down.
+// silu(gate) * up in the epilogue; fp32 or quantized: then silu_and_mul over column shares);
+// down.
 // The threads meet (Team::meet: a barrier and its clock) four times a layer (six in fp32). The
 // norms run on every thread for all M rows (each keeps its own copy of the residual and of the
 // normed rows), so they need none; the rope and the K/V write belong to the attention item
@@ -70,6 +72,10 @@ struct Team {
   T* const my_res;  // this thread's residual stream [M, H]
   T* const my_h;    // this thread's normed rows [Mp, H]
   const float eps, scale;
+  std::vector<float> sums;  // a quantized matmul's input group sums
+#ifdef TS_AVX512_BF16
+  std::vector<__m512i> wide;  // a quantized panel widened (panels_quant.h)
+#endif
 
   Team(Stack<T>& stack, bool timing)
       : st(stack), t(omp_get_thread_num()), team(omp_get_num_threads()), clock(t, timing),
@@ -140,7 +146,7 @@ struct Team {
     norm(st.o_p, st.a.norms[2 * l + 1]);
     clock.busy(Phase::kNorm);
     T* act = st.act_p;
-    if constexpr (kBf16) {
+    if (st.mm[4 * l + 2].silu) {
       matmul(4 * l + 2, my_h, act, st.inter);
     } else {  // gate/up, then silu(gate) * up over this thread's share of the columns
       T* gu = st.gu_p;
@@ -162,6 +168,7 @@ struct Team {
   // span: owned_panels.h)
   void matmul(int64_t i, const T* in, T* y, int64_t ldy) {
     const int64_t threads = st.threads;
+    if (st.mm[i].quant) group_sums(st.mm[i], in);
     Owned* own = &st.owned[i * threads];
     int64_t p;
     while (take(own[t], true, p)) product(st.mm[i], in, y, ldy, p);
@@ -169,8 +176,41 @@ struct Team {
       while (take(own[(t + other) % threads], false, p)) product(st.mm[i], in, y, ldy, p);
   }
 
+  // a quantized matmul's input group sums (panels_quant.h), this thread's copy
+  void group_sums(const Matmul& m, const T* in) {
+    sums.resize(st.M * (m.K / tritonserve_panels_quant::kGroup));
+    if constexpr (kBf16)
+      tritonserve_panels_quant::group_sums_bf16(reinterpret_cast<const uint16_t*>(in), m.K,
+                                                st.M, m.K, sums.data());
+    else
+      tritonserve_panels_quant::group_sums(in, m.K, st.M, m.K, sums.data());
+  }
+
   void product(const Matmul& m, const T* in, T* y, int64_t ldy, int64_t p) {
     const int64_t M = st.M;
+    if (m.quant) {
+      namespace pq = tritonserve_panels_quant;
+      const int64_t col = p * pq::kCols, ncols = std::min(pq::kCols, m.N - col);
+      const auto* w = static_cast<const uint8_t*>(m.w) + p * (m.K / pq::kGroup) *
+                                                             pq::record_bytes(m.kind);
+      const float* bias = m.bias ? m.bias + col : nullptr;
+#ifdef TS_AVX512_BF16
+      if constexpr (kBf16) {
+        wide.resize(std::max<size_t>(wide.size(), pq::wide_words(m.K)));
+        pq::panel_product_bf16(m.kind, reinterpret_cast<const uint16_t*>(in), M, m.K,
+                               sums.data(), w, reinterpret_cast<uint16_t*>(y) + col, ldy, ncols,
+                               wide.data(), bias);
+        return;
+      }
+#endif
+      if constexpr (!kBf16) {
+        pq::panel_product(m.kind, in, M, m.K, sums.data(), w, y + col, ldy, ncols);
+        if (bias != nullptr)
+          for (int64_t r = 0; r < M; ++r)
+            for (int64_t i = 0; i < ncols; ++i) y[r * ldy + col + i] += bias[i];
+      }
+      return;
+    }
     if constexpr (kBf16) {
       using namespace tritonserve_panels_bf16;
       const int64_t kp = (m.K + 1) / 2, out_cols = m.silu ? cols / 2 : cols;

@@ -20,6 +20,7 @@
 #include "panels_amx.h"
 #include "panels_bf16.h"
 #include "panels_fp32.h"
+#include "panels_quant.h"
 
 namespace tritonserve_stack {
 
@@ -58,12 +59,14 @@ struct Args {
 };
 
 // One matmul of the stack: P panels of a K-wide input's weight with N outputs, an fp32 bias
-// (bf16: padded to P * 32) or none; silu: bf16's gate/up epilogue (16 outputs a panel).
+// (padded to whole panels) or none; silu: bf16's gate/up epilogue (16 outputs a panel);
+// quant: the weight is panels_quant.h's records (16 columns a panel) of `kind`.
 struct Matmul {
   const void* w;
   int64_t K, N, P;
   const float* bias;
-  bool silu;
+  bool silu, quant;
+  tritonserve_panels_quant::Kind kind;
 };
 
 template <typename T>
@@ -146,22 +149,40 @@ struct Stack {
     }
   }
 
+  // down's input width (the intermediate size), from its panels in any form
+  static int64_t down_k(const torch::Tensor& p) {
+    if (p.scalar_type() == torch::kUInt8) return p.size(1) * tritonserve_panels_quant::kGroup;
+    return kBf16 ? p.size(1) * 2 : p.size(1);
+  }
+
   void pack_matmuls() {
     const auto dtype = a.x.scalar_type();
-    inter = kBf16 ? a.panels[2].size(0) * (cols / 2) : a.panels[3].size(1);
+    inter = down_k(a.panels[3]);
     mm.resize(4 * L);
     bias32.resize(L);
     for (int64_t l = 0; l < L; ++l) {
       const int64_t in[4] = {H, q_size, H, inter}, out[4] = {qkv_n, H, 2 * inter, H};
       for (int i = 0; i < 4; ++i) {
         const auto& p = a.panels[4 * l + i];
-        const bool shaped = kBf16 ? p.dim() == 4 && p.size(2) == cols && p.size(3) == 2 &&
-                                        p.size(1) == (in[i] + 1) / 2
-                                  : p.dim() == 3 && p.size(2) == cols && p.size(1) == in[i];
-        TORCH_CHECK(shaped && p.is_contiguous() && p.scalar_type() == dtype &&
-                        out[i] > (p.size(0) - 1) * cols && out[i] <= p.size(0) * cols,
+        namespace pq = tritonserve_panels_quant;
+        pq::Kind kind = pq::Kind::kU4;
+        const bool quant = p.scalar_type() == torch::kUInt8;
+        // bf16 dense gate/up: pack_gate_up_bf16's 16 outputs a panel
+        const bool silu = kBf16 && i == 2 && !quant;
+        const int64_t c = quant ? pq::kCols : silu ? cols / 2 : cols;
+        const bool shaped =
+            quant ? p.dim() == 3 && pq::kind_of(p.size(2), kind) &&
+                        p.size(1) * pq::kGroup == in[i]
+            : kBf16 ? p.dim() == 4 && p.size(2) == cols && p.size(3) == 2 &&
+                          p.size(1) == (in[i] + 1) / 2 && p.scalar_type() == dtype
+                    : p.dim() == 3 && p.size(2) == cols && p.size(1) == in[i] &&
+                          p.scalar_type() == dtype;
+        const int64_t outs = silu ? out[i] / 2 : out[i];
+        TORCH_CHECK(shaped && p.is_contiguous() && outs > (p.size(0) - 1) * c &&
+                        outs <= p.size(0) * c,
                     "decode_layers: panels[", 4 * l + i, "] do not fit the layer's shapes");
-        mm[4 * l + i] = Matmul{p.data_ptr(), in[i], out[i], p.size(0), nullptr, kBf16 && i == 2};
+        mm[4 * l + i] = Matmul{p.data_ptr(), in[i], out[i], p.size(0), nullptr, silu, quant,
+                               kind};
       }
       for (int i = 0; i < 2; ++i)
         TORCH_CHECK(a.norms[2 * l + i].numel() == H && a.norms[2 * l + i].is_contiguous() &&
@@ -170,7 +191,8 @@ struct Stack {
       if (!a.biases.empty()) {
         TORCH_CHECK(a.biases[l].numel() == qkv_n, "decode_layers: biases[", l, "] must be [",
                     qkv_n, "]");
-        bias32[l] = torch::zeros({mm[4 * l].P * cols}, a.x.options().dtype(torch::kFloat32));
+        const int64_t width = mm[4 * l].quant ? tritonserve_panels_quant::kCols : cols;
+        bias32[l] = torch::zeros({mm[4 * l].P * width}, a.x.options().dtype(torch::kFloat32));
         bias32[l].narrow(0, 0, qkv_n).copy_(a.biases[l].reshape({qkv_n}));
         mm[4 * l].bias = bias32[l].data_ptr<float>();
       }
@@ -187,7 +209,9 @@ struct Stack {
     Mp = tritonserve_amx::padded_rows(M);             // a matmul input's rows (contracts)
     att = torch::empty({Mp, q_size}, opts);           // [Mp, Hq D]
     o = torch::empty({M, H}, opts);                   // [M, H]
-    gate_up = torch::empty({kBf16 ? 0 : M, 2 * inter}, opts);  // fp32: [M, 2I]
+    bool fused = true;  // every gate/up with its activation in the matmul (bf16 dense)
+    for (int64_t l = 0; l < L; ++l) fused = fused && mm[4 * l + 2].silu;
+    gate_up = torch::empty({fused ? 0 : M, 2 * inter}, opts);  // [M, 2I] where not fused
     act = torch::empty({Mp, inter}, opts);            // [Mp, I]
     res = torch::zeros({threads, M, H}, opts);        // each thread's residual stream
     normed = torch::empty({threads, Mp, H}, opts);    // each thread's normed rows

@@ -1,0 +1,163 @@
+"""Quantized weights in the engine: --quantization int4 / int8 on a checkpoint, gguf on a GGUF
+model (the embedded SmolLM2's Q4_1 / Q8_0 blocks). The quantized engine computes exactly the
+dequantized model (greedy token-identical to transformers on a checkpoint holding the
+dequantized weights), decode_layers gives the eager step bit for bit in bf16 as it does with
+dense weights, and the plan names the form and refuses what cannot run."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tritonserve.engine import LLM, SamplingParams
+from tritonserve.kernels import cpu, quant_layout
+from tests.parity import TIE_GAP, assert_parity, hf_greedy
+from tests.test_decode_layers import SHAPE, _compare_with_eager, needs_op
+from tests.test_engine_parity import mixed_prompts
+from tests.tiny_models import write_tiny_model
+
+needs_library = pytest.mark.skipif(cpu.op("packed_linear_quant") is None,
+                                   reason="no C++ toolchain")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def quant_model(tmp_path_factory) -> str:
+    """Llama, untied, head size 64 (the bf16 op's instances), every row length a multiple
+    of 32."""
+    return str(write_tiny_model(tmp_path_factory.mktemp("quant-llama"), seed=2, **SHAPE))
+
+
+def dequantized_copy(folder: str, target, kind: str) -> str:
+    """The checkpoint with every projection (kind) and the lm_head (s8) replaced by its
+    quantized-then-dequantized weights: the dense model the quantized engine must equal."""
+    shutil.copytree(folder, target)
+    path = target / "model.safetensors"
+    state = load_file(str(path))
+    for name, weight in state.items():
+        if name.endswith(tuple(f"{p}.weight" for p in PROJECTIONS)) or name == "lm_head.weight":
+            form = "s8" if name == "lm_head.weight" else kind
+            state[name] = quant_layout.dequantize(quant_layout.quantize(weight, form),
+                                                  weight.shape[0]).to(weight.dtype)
+    save_file(state, str(path), metadata={"format": "pt"})
+    return str(target)
+
+
+@needs_library
+@pytest.mark.parametrize("quantization,kind", [("int4", "u4"), ("int8", "s8")])
+def test_the_quantized_engine_is_the_dequantized_model(quant_model, tmp_path, quantization,
+                                                       kind):
+    """fp32, through decode_layers and eager prefill: greedy output token-identical to
+    transformers on the dequantized weights (the fp32 tie rule)."""
+    llm = LLM(quant_model, dtype="float32", quantization=quantization, max_num_seqs=4)
+    plan = llm.engine.runner.plan
+    assert (plan.weights, plan.mode) == (quantization, "layers")
+    prompts = mixed_prompts(llm.tokenizer, count=6, seed=3)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    folder = dequantized_copy(quant_model, tmp_path / "dequantized", kind)
+    refs = hf_greedy(folder, prompts, 12, set(llm.engine.eos_token_ids))
+    assert_parity([o.token_ids for o in outs], refs, TIE_GAP)
+    # and not the dense model: the quantization changed the weights
+    dense = LLM(quant_model, dtype="float32", quantization="none", max_num_seqs=4)
+    assert dense.engine.runner.plan.weights == "panels"
+
+
+@needs_op
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_decode_layers_gives_the_eager_step_bit_for_bit_on_quantized_weights(quant_model,
+                                                                            quantization):
+    """bf16: the op's hidden states and cache writes are the eager step's, bit for bit, at
+    batches of 9 down to 1 (the same tiles in both; gate/up without the fused activation)."""
+    llm = LLM(quant_model, dtype="bfloat16", decode_mode="eager", quantization=quantization,
+              max_num_seqs=16)
+    steps = _compare_with_eager(llm)
+    prompts = mixed_prompts(llm.tokenizer, count=9, seed=7)
+    lengths = [4, 9, 14, 20, 26, 30, 34, 38, 40]
+    llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                           for n in lengths])
+    assert {9, 1} <= {n for n, _, _ in steps}
+    assert all(same for _, _, same in steps), [n for n, _, same in steps if not same]
+
+
+@needs_library
+def test_the_fp32_op_stays_within_rounding_of_eager_on_quantized_weights(tmp_path):
+    """fp32, Qwen2 (qkv bias, tied embeddings: the lm_head is the quantized copy of the
+    table, the lookup stays dense): the op within 1e-5 of the eager step."""
+    folder = write_tiny_model(tmp_path / "qwen2", "Qwen2ForCausalLM", seed=3,
+                              tie_word_embeddings=True)
+    llm = LLM(str(folder), dtype="float32", decode_mode="eager", quantization="int4",
+              max_num_seqs=16)
+    model = llm.engine.runner.model
+    assert quant_layout.kind_of(model.packed_tied_lm_head) == "s8"
+    assert model.embed_tokens.weight.dtype == torch.float32
+    steps = _compare_with_eager(llm)
+    prompts = mixed_prompts(llm.tokenizer, count=5, seed=2)
+    llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                           for n in (3, 6, 9, 12, 16)])
+    assert {5, 1} <= {n for n, _, _ in steps}
+    assert max(gap for _, gap, _ in steps) < 1e-5
+
+
+@needs_library
+def test_the_plan_names_the_form_and_refuses_what_cannot_run(quant_model):
+    llm = LLM(quant_model, dtype="float32", quantization="int4", max_num_seqs=2)
+    plan = llm.engine.runner.plan
+    assert "weights int4" in plan.describe()
+    assert plan.why_weights == "quantized at load: groups of 32, scale and offset"
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a GGUF model"):
+        LLM(quant_model, dtype="float32", quantization="gguf")
+    with pytest.raises(ValueError, match="quantization 'int8' runs on the CPU with the C\\+\\+ "
+                                         "library in float32 or bfloat16"):
+        LLM(quant_model, dtype="float16", quantization="int8")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(quant_model, quantization="int3")
+    auto = LLM(quant_model, dtype="float32", max_num_seqs=2)  # a checkpoint: dense
+    assert auto.engine.runner.plan.weights == "panels"
+
+
+@pytest.mark.slow
+@needs_library
+def test_smollm2_served_as_its_gguf_blocks_is_exact(smollm2_path):
+    """The embedded model's file: every served block dequantizes to the converted fp32
+    weight bit for bit, and in fp32 the engine on the blocks gives the dense conversion's
+    greedy tokens (each step within the fp32 tie rule of it)."""
+    from safetensors import safe_open
+
+    from tritonserve.engine.default_model import gguf_path
+    from tritonserve.engine.models.gguf import read_quantized
+
+    tensors = read_quantized(gguf_path(), 9, 3)
+    assert {t.ggml_type for t in tensors.values()} == {"Q4_1", "Q8_0"} and len(tensors) == 211
+    with safe_open(f"{smollm2_path}/model.safetensors", framework="pt") as f:
+        for name, tensor in tensors.items():
+            assert torch.equal(quant_layout.dequantize(tensor.packed, tensor.shape[0]),
+                               f.get_tensor(name)), name
+    prompts = ["The capital of France is", "def fibonacci(n):", "List three colors:"]
+    blocks = LLM(None, dtype="float32", quantization="gguf", max_num_seqs=4)
+    plan = blocks.engine.runner.plan
+    assert plan.weights == "gguf" and "Q4_1.gguf's own blocks" in plan.why_weights
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    ours = [o.token_ids for o in blocks.generate(prompts, params)]
+    dense = LLM(None, dtype="float32", quantization="none", max_num_seqs=4)
+    assert dense.engine.runner.plan.weights == "panels"
+    assert ours == [o.token_ids for o in dense.generate(prompts, params)]
+
+
+@pytest.mark.slow
+@needs_library
+def test_a_gguf_file_as_model(tmp_path, monkeypatch):
+    """--model FILE.gguf: converted once into the cache (config, tokenizer), its blocks
+    served; the model is named after the file."""
+    from tritonserve.engine.default_model import gguf_path
+
+    monkeypatch.setenv("TRITONSERVE_CACHE", str(tmp_path / "cache"))
+    llm = LLM(str(gguf_path()), dtype="bfloat16", quantization="gguf", max_num_seqs=2)
+    assert llm.engine.model_name == gguf_path().stem
+    assert llm.engine.runner.plan.weights == "gguf"
+    out = llm.generate(["The capital of France is"],
+                       SamplingParams(temperature=0.0, max_tokens=4))[0]
+    assert "Paris" in out.text
+    with pytest.raises(FileNotFoundError, match="no GGUF file"):
+        LLM(str(tmp_path / "missing.gguf"))

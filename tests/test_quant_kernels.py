@@ -1,0 +1,142 @@
+"""Weight-only quantized matmuls: the packed layout (kernels/quant_layout.py) against its
+oracle, GGUF block parsing (engine/models/gguf.py) against the `gguf` package's own
+dequantizers, and the C++ op (kernels/cpu/linear_quant.cpp) against the plain-torch
+reference, in fp32 and bf16, every row-tile size, a partial last panel and a bias."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tritonserve.engine.models import gguf as gguf_weights
+from tritonserve.kernels import cpu, quant_layout
+
+needs_library = pytest.mark.skipif(cpu.op("packed_linear_quant") is None,
+                                   reason="no C++ toolchain")
+
+
+def _random(kind: str, n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    d = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    if kind == "u4":
+        return d, torch.randint(0, 16, (n, k), generator=g), -torch.rand(n, k // 32, generator=g) * 0.1
+    return d, torch.randint(-128, 128, (n, k), generator=g), None
+
+
+@pytest.mark.parametrize("kind", ["u4", "s8"])
+def test_pack_and_unpack_are_inverse_and_dequantize_is_d_q_plus_m(kind):
+    n, k = 37, 96  # a partial last panel (37 = 2 x 16 + 5)
+    d, q, m = _random(kind, n, k)
+    packed = quant_layout.pack(kind, d, q, m)
+    assert packed.shape == (3, 3, quant_layout.RECORD_BYTES[kind])
+    assert quant_layout.kind_of(packed) == kind
+    d2, q2, m2 = quant_layout.unpack(packed, n)
+    assert torch.equal(q2.long(), q.long())
+    assert torch.equal(d2, d.half().float())
+    expected = q.float() * d.half().float().repeat_interleave(32, dim=1)
+    if m is not None:
+        assert torch.equal(m2, m.half().float())
+        expected = expected + m.half().float().repeat_interleave(32, dim=1)
+    assert torch.equal(quant_layout.dequantize(packed, n), expected)
+
+
+def test_pack_refuses_codes_out_of_range_and_ragged_rows():
+    d = torch.ones(2, 1)
+    with pytest.raises(ValueError, match=r"u4 codes must lie in \[0, 15\]"):
+        quant_layout.pack("u4", d, torch.full((2, 32), 16))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant_layout.pack("s8", torch.ones(2, 1), torch.zeros(2, 33, dtype=torch.int16))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        quant_layout.pack("u3", d, torch.zeros(2, 32))
+    with pytest.raises(ValueError, match="row length 40"):
+        quant_layout.quantize(torch.randn(4, 40), "u4")
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_parse_to_what_the_gguf_package_dequantizes(ggml_type):
+    """The oracle: gguf.quants quantizes a random matrix into the type's blocks and
+    dequantizes them; our parse + pack + dequantize gives the same fp32 weights exactly."""
+    quants = pytest.importorskip("gguf.quants")
+    import gguf
+    qtype = getattr(gguf.GGMLQuantizationType, ggml_type)
+    weights = np.random.default_rng(1).standard_normal((40, 128)).astype(np.float32)
+    raw = quants.quantize(weights, qtype)
+    oracle = torch.from_numpy(quants.dequantize(raw, qtype))
+    d, q, m = gguf_weights.parse_blocks(ggml_type, raw, 40, 128)
+    kind = gguf_weights.SERVED[ggml_type][0]
+    assert torch.equal(quant_layout.dequantize(quant_layout.pack(kind, d, q, m), 40), oracle)
+
+
+def test_a_gguf_with_a_type_not_served_is_refused_naming_tensor_and_type(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    raw = np.zeros((4, 144), dtype=np.uint8)  # 4 rows of one Q4_K super block (256 values)
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_shape=(4, 144),
+                      raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(gguf_weights.GGUFError, match="blk.0.ffn_down.weight is Q4_K"):
+        gguf_weights.read_quantized(tmp_path / "k.gguf", 2, 1)
+
+
+def test_llama_cpp_q_k_row_order_is_undone():
+    """unpermute_rows is transformers' reverse permutation: rows (h, i, 2) -> (h, 2, i)."""
+    rows = torch.arange(2 * 8).reshape(16, 1)  # 2 heads of 8 rows
+    out = gguf_weights.unpermute_rows(rows, 2).flatten().tolist()
+    assert out == [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15]
+
+
+@needs_library
+@pytest.mark.parametrize("kind", ["u4", "s8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_op_matches_the_reference(kind, dtype):
+    """Rows 1-9 (every tile size, and one past a tile: the widened-panel path), 17 and 70;
+    N = 50 (a partial last panel); K = 96 and 576; with and without a bias. fp32: within
+    fp32 rounding of the reference; bf16: the reference's fp32 sums rounded to bf16, within
+    one bf16 step."""
+    op = torch.ops.tritonserve.packed_linear_quant
+    for k in (96, 576):
+        d, q, m = _random(kind, 50, k, seed=k)
+        packed = quant_layout.pack(kind, d, q, m)
+        bias = torch.randn(50)
+        for rows in (*range(1, 10), 17, 70):
+            x = torch.randn(rows, k).to(dtype)
+            for b in (None, bias):
+                ref = quant_layout.linear(x.float(), packed, 50, b)
+                out = op(x, packed, 50, b)
+                assert out.dtype == dtype and out.shape == (rows, 50)
+                scale = ref.abs().max().item()
+                if dtype == torch.float32:
+                    assert (out - ref).abs().max().item() <= 1e-5 * scale, (k, rows)
+                else:
+                    step = ref.abs().clamp_min(scale * 2 ** -8) * 2 ** -7
+                    assert ((out.float() - ref).abs() <= step).all(), (k, rows)
+
+
+@needs_library
+def test_the_op_refuses_bad_operands_naming_them():
+    op = torch.ops.tritonserve.packed_linear_quant
+    packed = quant_layout.quantize(torch.randn(32, 64), "u4")
+    with pytest.raises(RuntimeError, match="x has K = 32"):
+        op(torch.randn(2, 32), packed, 32, None)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        op(torch.randn(2, 64), packed, 40, None)
+    with pytest.raises(RuntimeError, match="weight must be uint8"):
+        op(torch.randn(2, 64), packed[:, :, :100].contiguous(), 32, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(torch.randn(2, 64).half(), packed, 32, None)
+
+
+def test_quantize_is_close_and_its_codes_are_the_nearest():
+    """int4 per group of 32 (scale and offset) and int8 per row: every weight within half a
+    step (plus the offset's fp16 rounding) of the original."""
+    w = torch.randn(48, 128)
+    for kind in ("u4", "s8"):
+        packed = quant_layout.quantize(w, kind)
+        back = quant_layout.dequantize(packed, 48)
+        d, _, _ = quant_layout.unpack(packed, 48)
+        step = d.repeat_interleave(32, dim=1)
+        assert ((back - w).abs() <= step * 0.5 + 2e-3).all(), kind
+        assert ((back - w).abs() > step * 0.25).any(), kind  # it did round something

@@ -1,0 +1,131 @@
+"""The packed layout of a weight-only quantized matmul weight, written once: pack (scales and
+integer codes -> uint8 panels), unpack and the plain-torch reference (panels -> fp32 weight).
+kernels/cpu/panels_quant.h reads it (the C++ matmul) and states the bytes:
+
+- u4: weight[n, k] = d[n, g] * q[n, k] + m[n, g], q in 0..15, g = k // 32 (GGUF Q4_1; Q4_0
+  with m = -8 d; int4 with a zero point z: m = -z d)
+- s8: weight[n, k] = d[n, g] * q[n, k], q in -128..127 (GGUF Q8_0; int8)
+
+d and m are fp16, as in the GGUF blocks, so a block is the same bytes here as in the file.
+Panels of 16 output rows, records of 32 k: uint8 [ceil(N / 16), K / 32, 320 (u4) or 544 (s8)];
+rows past N are zero.
+"""
+from __future__ import annotations
+
+import torch
+
+COLS = 16
+GROUP = 32
+RECORD_BYTES = {"u4": 64 + 256, "s8": 32 + 512}
+
+
+def kind_of(weight: torch.Tensor) -> str | None:
+    """u4 or s8 for a packed weight, None for anything else."""
+    if weight.dtype != torch.uint8 or weight.dim() != 3:
+        return None
+    return {v: k for k, v in RECORD_BYTES.items()}.get(weight.shape[2])
+
+
+def pack(kind: str, d: torch.Tensor, q: torch.Tensor, m: torch.Tensor | None = None
+         ) -> torch.Tensor:
+    """d, m [N, G] (any float dtype: stored as fp16), q [N, K = 32 G] integer codes (u4: 0..15,
+    s8: -128..127) -> uint8 panels. m only for u4 (None: zero)."""
+    if kind not in RECORD_BYTES:
+        raise ValueError(f"kind must be one of {sorted(RECORD_BYTES)}, got {kind!r}")
+    n, k = q.shape
+    if k % GROUP or d.shape != (n, k // GROUP):
+        raise ValueError(f"q must be [N, K] with K a multiple of {GROUP} and d [N, K / {GROUP}]; "
+                         f"got q {tuple(q.shape)}, d {tuple(d.shape)}")
+    lo, hi = (0, 15) if kind == "u4" else (-128, 127)
+    if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):
+        raise ValueError(f"{kind} codes must lie in [{lo}, {hi}]")
+    groups, panels = k // GROUP, -(-n // COLS)
+    rows = panels * COLS
+
+    def padded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.zeros((rows, *t.shape[1:]), dtype=dtype)
+        out[:n] = t.to(dtype)
+        return out
+
+    def scales(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [P, G, 16 * 2 bytes]
+        half = padded(t, torch.float16).view(panels, COLS, groups).transpose(1, 2)
+        return half.contiguous().view(torch.uint8).reshape(panels, groups, 2 * COLS)
+
+    codes = padded(q, torch.int16).view(panels, COLS, groups, GROUP)
+    codes = codes.permute(0, 2, 3, 1)  # [P, G, 32 k, 16 cols]
+    if kind == "u4":
+        pairs = codes.reshape(panels, groups, GROUP // 2, 2, COLS)
+        body = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).to(torch.uint8)
+        m = torch.zeros_like(d) if m is None else m
+        parts = [scales(d), scales(m), body.reshape(panels, groups, -1)]
+    else:
+        body = codes.to(torch.int8).contiguous().view(torch.uint8)
+        parts = [scales(d), body.reshape(panels, groups, -1)]
+    return torch.cat(parts, dim=2).contiguous()
+
+
+def unpack(weight: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """packed panels -> (d [N, G] fp32, q [N, K] int16, m [N, G] fp32; zero for s8)."""
+    kind = kind_of(weight)
+    if kind is None:
+        raise ValueError("not a packed quantized weight (uint8 [P, G, 320 or 544])")
+    panels, groups, _ = weight.shape
+
+    def scales(offset: int) -> torch.Tensor:  # -> [N, G] fp32
+        half = weight[:, :, offset:offset + 2 * COLS].contiguous().view(torch.float16)
+        return half.transpose(1, 2).reshape(panels * COLS, groups)[:n].float()
+
+    d = scales(0)
+    if kind == "u4":
+        body = weight[:, :, 64:].reshape(panels, groups, GROUP // 2, COLS).to(torch.int16)
+        codes = torch.stack((body & 15, body >> 4), dim=3)  # [P, G, 16, 2, 16]
+        m = scales(32)
+    else:
+        body = weight[:, :, 32:].contiguous().view(torch.int8)
+        codes = body.reshape(panels, groups, GROUP, COLS).to(torch.int16)
+        m = torch.zeros_like(d)
+    codes = codes.reshape(panels, groups, GROUP, COLS).permute(0, 3, 1, 2)
+    return d, codes.reshape(panels * COLS, groups * GROUP)[:n], m
+
+
+def dequantize(weight: torch.Tensor, n: int) -> torch.Tensor:
+    """The reference: packed panels -> the fp32 weight [N, K] (d * q + m, per group)."""
+    d, q, m = unpack(weight, n)
+    scale = d.repeat_interleave(GROUP, dim=1)
+    return q.float() * scale + m.repeat_interleave(GROUP, dim=1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, n: int,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference of packed_linear_quant: x [M, K] @ dequantize(weight)^T (+ bias)."""
+    out = x.float() @ dequantize(weight, n).t()
+    return out if bias is None else out + bias.float()
+
+
+def quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """A dense weight [N, K] (K a multiple of 32) -> packed panels. u4 (int4): per group of 32,
+    scale d = (max - min) / 15 and offset m = min (GGUF Q4_1's scheme), q = round((w - m) / d);
+    s8 (int8): per output row, symmetric, d = max |w| / 127, q = round(w / d). Scales are
+    rounded to fp16 first and the codes computed against the stored scales."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"quantize: the row length {k} is not a multiple of {GROUP}")
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    if kind == "u4":
+        lo, hi = w.amin(dim=2), w.amax(dim=2)
+        d = ((hi - lo) / 15).half().float()
+        m = lo.half().float()
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round((w - m.unsqueeze(2)) / safe.unsqueeze(2)).clamp(0, 15)
+        return pack(kind, d, q.reshape(n, k).to(torch.int16), m)
+    if kind == "s8":
+        amax = w.abs().amax(dim=(1, 2))
+        d = (amax / 127).half().float()
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round(w / safe[:, None, None]).clamp(-127, 127)
+        return pack(kind, d[:, None].expand(n, k // GROUP), q.reshape(n, k).to(torch.int16))
+    raise ValueError(f"kind must be one of {sorted(RECORD_BYTES)}, got {kind!r}")
+
+
+def nbytes(weight: torch.Tensor) -> int:
+    return weight.numel() * weight.element_size()
