@@ -165,7 +165,8 @@ def test_tokenize_detokenize_version(server):
     status, _, raw = request(server.port, "GET", "/version")
     assert status == 200 and re.match(r"\d", json.loads(raw)["version"])
     plan = json.loads(raw)["decode_plan"]  # what this server's steps run, and why
-    assert set(plan) == {"mode", "weights", "attention", "draw", "why_mode", "why_weights"}
+    assert set(plan) == {"mode", "weights", "attention", "draw", "why_mode", "why_weights",
+                         "dense_above"}
     assert plan["mode"] in ("layers", "compile", "eager") and plan["why_mode"]
 
 

@@ -161,3 +161,26 @@ def test_a_gguf_file_as_model(tmp_path, monkeypatch):
     assert "Paris" in out.text
     with pytest.raises(FileNotFoundError, match="no GGUF file"):
         LLM(str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.slow
+@needs_library
+def test_the_default_serves_its_blocks_and_bf16_panels_past_eight_rows():
+    """The embedded model, auto: its GGUF blocks (the plan says so) for steps of up to 8
+    rows, the bf16 panels of its conversion above (plan.dense_above): decode steps of 12
+    sequences run the dense op, of 8 and fewer the quantized one, and both answer."""
+    llm = LLM(None, dtype="bfloat16", max_num_seqs=16)
+    runner = llm.engine.runner
+    assert (runner.plan.weights, runner.plan.dense_above) == ("gguf", 8)
+    assert "steps of up to 8 rows; bf16 panels above" in runner.plan.describe()
+    assert runner._model_for(8) is runner.model and runner._model_for(9) is runner.dense_model
+    calls = {"quantized": [], "dense": []}
+    quantized, dense = runner.decode_step, runner.dense_decode_step
+    runner.decode_step = lambda ids, *a: calls["quantized"].append(len(ids)) or quantized(ids, *a)
+    runner.dense_decode_step = lambda ids, *a: calls["dense"].append(len(ids)) or dense(ids, *a)
+    prompts = [f"Count to {i}:" for i in range(12)]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=4 + i,
+                                                 ignore_eos=True) for i in range(12)])
+    assert [len(o.token_ids) for o in outs] == [4 + i for i in range(12)]
+    assert calls["dense"] and min(calls["dense"]) > 8
+    assert calls["quantized"] and max(calls["quantized"]) <= 8

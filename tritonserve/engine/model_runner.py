@@ -1,6 +1,7 @@
 """Turns a SchedulerOutput into one forward pass over a flattened token batch, and samples."""
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,13 @@ class ModelRunner:
         self.model = build_model(arch, folder, config.torch_dtype, self.device, max_positions,
                                  dummy=config.load_format == "dummy", seed=config.seed)
         form = self.plan.weights
+        # the dense panels beside quantized weights (plan.dense_above): a copy made before
+        # the quantized weights replace the projections, sharing the embedding and norms
+        self.dense_model = None
+        if self.plan.dense_above:
+            self.dense_model = copy.deepcopy(self.model)
+            self.dense_model.embed_tokens = self.model.embed_tokens
+            self.dense_model.prepack_weights("panels", config.scheduler.max_num_seqs)
         if form == "gguf":
             tensors = read_quantized(gguf, arch.num_heads, arch.num_kv_heads)
             self.model.load_quantized(tensors)
@@ -68,6 +76,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # a decode-only step of at most decode_max_batch rows runs decode_step (allocate)
         self.decode_step = None
+        self.dense_decode_step = None  # decode_step on the dense panels (plan.dense_above)
         self.decode_max_batch = 0
 
     @property
@@ -144,6 +153,8 @@ class ModelRunner:
         if self.plan.mode == "layers":
             self.decode_step = self.model.decode_layers(self.block_size)
             self.decode_max_batch = config.scheduler.max_num_seqs
+            if self.dense_model is not None:
+                self.dense_decode_step = self.dense_model.decode_layers(self.block_size)
         elif self.plan.mode != "eager":
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend,
                                        null_block=self.num_blocks, block_size=self.block_size,
@@ -179,7 +190,8 @@ class ModelRunner:
         if not model_input.sample_requests:
             return {}
         with record_function("logits"):
-            logits = self.model.compute_logits(hidden[model_input.sample_indices])  # [S, V]
+            rows = hidden[model_input.sample_indices]
+            logits = self._model_for(rows.shape[0]).compute_logits(rows)  # [S, V]
         with record_function("sampler"):
             sampled = self.sampler(logits, model_input.sample_requests, masks)
         return {r.request_id: s for r, s in zip(model_input.sample_requests, sampled)}
@@ -188,9 +200,17 @@ class ModelRunner:
         """hidden [T, hidden]: the plan's decode step for a decode-only step it takes, else
         the model op by op."""
         n = model_input.input_ids.shape[0]
-        if model_input.meta.num_decode_tokens == n <= self.decode_max_batch:
-            return self.decode_step(model_input.input_ids, model_input.positions, ctx)
-        return self.model(model_input.input_ids, model_input.positions, ctx)
+        model = self._model_for(n)
+        step = self.decode_step if model is self.model else self.dense_decode_step
+        if step is not None and model_input.meta.num_decode_tokens == n <= self.decode_max_batch:
+            return step(model_input.input_ids, model_input.positions, ctx)
+        return model(model_input.input_ids, model_input.positions, ctx)
+
+    def _model_for(self, rows: int):
+        """The model whose weights a step of `rows` rows runs (plan.dense_above)."""
+        if self.dense_model is not None and rows > self.plan.dense_above:
+            return self.dense_model
+        return self.model
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInput:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]

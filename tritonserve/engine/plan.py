@@ -43,12 +43,18 @@ CPU_DECODE_MODES = {"float32": "layers", "bfloat16": "layers"}
 # vs eager: 40 vs 46 ms a step at batch 1, 116 vs 125 at 16, 306 vs 370 at 64, for ~145 s of
 # compiling at the first start and ~30 s from the cache.
 LAYERS_FALLBACK = "compile"
-# Whether --quantization auto serves a GGUF model's own blocks. Not yet: SmolLM2's Q4_1 / Q8_0
-# blocks against its bf16 conversion, both through decode_layers on a 2-core AVX512-BF16 Zen 4
-# (LLM.generate, 64 tokens a sequence): 174 vs 92 tok/s at batch 1, but 660 vs 908 at 16 and
-# 895 vs 1213 at 64 (the quantized matmul's per-group scaling costs ~20 % of a compute-bound
-# step, docs/benchmarks.md). fp32 activations on the blocks: 197 tok/s at batch 1.
-GGUF_BY_DEFAULT = False
+# --quantization auto serves a GGUF model's own blocks (the embedded SmolLM2 is one): on a
+# 2-core AVX512-BF16 Zen 4, LLM.generate with 64 tokens a sequence, blocks (bf16 panels past
+# DENSE_ABOVE rows) vs the bf16 conversion: 180 vs 80 tok/s at batch 1, 840 vs 832 at 16,
+# 1209-1221 vs 1180-1206 at 64; served side by side: docs/benchmarks.md.
+GGUF_BY_DEFAULT = True
+# A GGUF model's blocks in bf16 serve steps of up to this many rows; larger ones run the bf16
+# panels of its conversion, kept beside them (+2 bytes a weight: SmolLM2 +270 MB): the
+# quantized tile scales each group of 32 k apart, ~1.2-1.3x the dense panels' work once a step
+# is compute-bound. SmolLM2 through decode_layers, 64 tokens a sequence, blocks vs panels:
+# 4 rows 480 vs 306 tok/s, 8 rows 692 vs 594, 12 rows 625 vs 727 (past 8 rows, one register
+# tile, the blocks are widened into scratch first).
+DENSE_ABOVE = 8
 
 
 @dataclass(frozen=True)
@@ -59,13 +65,18 @@ class DecodePlan:
     draw: str
     why_mode: str
     why_weights: str
+    # quantized weights with dense panels kept beside them: steps of more rows than this run
+    # the dense ones (0: the weights' form runs every step)
+    dense_above: int = 0
 
     def describe(self) -> str:
         """One phrase for the start-up line."""
-        return (f"decode {self.mode} ({self.why_mode}), weights {self.weights}, attention "
+        weights = self.weights + (f" (steps of up to {self.dense_above} rows; bf16 panels "
+                                  f"above)" if self.dense_above else "")
+        return (f"decode {self.mode} ({self.why_mode}), weights {weights}, attention "
                 f"{self.attention}, draw {self.draw}")
 
-    def as_dict(self) -> dict[str, str]:
+    def as_dict(self) -> dict[str, str | int]:
         return asdict(self)
 
 
@@ -80,7 +91,8 @@ def resolve_plan(config: EngineConfig, arch: ModelArch, gguf: Path | None = None
     attention = ("triton" if config.use_triton("attention")
                  else "cpu" if library else "torch")
     draw = "triton" if config.use_triton("sampler") else "cpu" if library else "torch"
-    return DecodePlan(mode, weights, attention, draw, why_mode, why_weights)
+    dense_above = DENSE_ABOVE if weights == "gguf" and config.dtype == "bfloat16" else 0
+    return DecodePlan(mode, weights, attention, draw, why_mode, why_weights, dense_above)
 
 
 def layers_refusal(config: EngineConfig, arch: ModelArch, library: bool) -> str | None:
