@@ -1,6 +1,7 @@
 """tritonserve bench cpu-linear [--dtype bfloat16]: a decoder's matmuls alone on the CPU, weights
-cold, in each form engine/models/linear.py can hold them: C++ column panels and
-oneDNN-prepacked.
+cold, in each form engine/models/linear.py can hold them: C++ column panels, oneDNN-prepacked,
+and the quantized panels (kernels/quant_layout.py): q4 (the layers in u4, the embedded GGUF's
+Q4_1 form, the lm_head in s8 as its Q8_0) and q8 (s8 throughout), each with its own bytes.
 
 SmolLM2-135M's shapes by default: 30 layers of qkv (960 x 576), o (576 x 576), gate/up
 (3072 x 576) and down (576 x 1536), plus the tied lm_head (49152 x 576): 538 MB of fp32, read
@@ -15,6 +16,7 @@ import time
 import torch
 
 from tritonserve.engine.models import linear as lin
+from tritonserve.kernels import quant_layout
 
 from .cpu_decode import read_gbps
 
@@ -65,6 +67,11 @@ def main(argv: list[str]) -> int:
     if not forms:
         print("neither the C++ panels nor oneDNN are available here: nothing to compare")
         return 1
+    if lin.has_form("quant", dtype) and all(k % 32 == 0 for _, k in _layer_shapes(args)):
+        last = len(weights) - 1
+        forms["q4 (u4 + s8 head)"] = [quant_layout.quantize(w, "s8" if i == last else "u4")
+                                      for i, w in enumerate(weights)]
+        forms["q8 (s8)"] = [quant_layout.quantize(w, "s8") for w in weights]
     read = read_gbps()
     print(f"weights {nbytes / 1e6:.0f} MB {args.dtype}; read bandwidth (this run) {read:.1f} GB/s, so "
           f"a pass reads them in >= {nbytes / read / 1e6:.1f} ms; threads "
@@ -74,7 +81,10 @@ def main(argv: list[str]) -> int:
             cells = []
             for name, packed in forms.items():
                 seconds = _pass_seconds(weights, packed, rows, args.repeats)
-                cells.append(f"{name} {seconds * 1e3:.1f} ms ({nbytes / seconds / 1e9:.1f} GB/s, "
+                size = sum(p.numel() * p.element_size() for p in packed) if name.startswith(
+                    "q") else nbytes
+                cells.append(f"{name} {seconds * 1e3:.1f} ms ({size / 1e6:.0f} MB at "
+                             f"{size / seconds / 1e9:.1f} GB/s, "
                              f"{rows * flops_per_row / seconds / 1e9:.0f} GFLOP/s)")
             print(f"M={rows}: " + "; ".join(cells))
     return 0

@@ -3,7 +3,8 @@ integer codes -> uint8 panels), unpack and the plain-torch reference (panels -> 
 kernels/cpu/panels_quant.h reads it (the C++ matmul) and states the bytes:
 
 - u4: weight[n, k] = d[n, g] * q[n, k] + m[n, g], q in 0..15, g = k // 32 (GGUF Q4_1; Q4_0
-  with m = -8 d; int4 with a zero point z: m = -z d)
+  with m = -8 d; int4 with a zero point z: m = -z d); the codes of 8 k and a column in one
+  32-bit word, k 2 i + h at bits 4 (i + 4 h), so a k pair is a shift and a mask away
 - s8: weight[n, k] = d[n, g] * q[n, k], q in -128..127 (GGUF Q8_0; int8)
 
 d and m are fp16, as in the GGUF blocks, so a block is the same bytes here as in the file.
@@ -53,9 +54,12 @@ def pack(kind: str, d: torch.Tensor, q: torch.Tensor, m: torch.Tensor | None = N
 
     codes = padded(q, torch.int16).view(panels, COLS, groups, GROUP)
     codes = codes.permute(0, 2, 3, 1)  # [P, G, 32 k, 16 cols]
-    if kind == "u4":
-        pairs = codes.reshape(panels, groups, GROUP // 2, 2, COLS)
-        body = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).to(torch.uint8)
+    if kind == "u4":  # blocks of 8 k: nibble 4 h + i of a column's word = k 2 i + h
+        blocks = codes.reshape(panels, groups, 4, 4, 2, COLS).to(torch.int64)
+        shifts = (4 * (torch.arange(4).view(4, 1) + 4 * torch.arange(2).view(1, 2)))
+        words = (blocks << shifts.view(1, 1, 1, 4, 2, 1)).sum(dim=(3, 4))  # [P, G, 4, 16]
+        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # as int32 bits
+        body = words.to(torch.int32).contiguous().view(torch.uint8)  # little-endian words
         m = torch.zeros_like(d) if m is None else m
         parts = [scales(d), scales(m), body.reshape(panels, groups, -1)]
     else:
@@ -77,8 +81,10 @@ def unpack(weight: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, to
 
     d = scales(0)
     if kind == "u4":
-        body = weight[:, :, 64:].reshape(panels, groups, GROUP // 2, COLS).to(torch.int16)
-        codes = torch.stack((body & 15, body >> 4), dim=3)  # [P, G, 16, 2, 16]
+        words = weight[:, :, 64:].contiguous().view(torch.int32).to(torch.int64)
+        words = words.reshape(panels, groups, 4, 1, 1, COLS) & 0xFFFFFFFF
+        shifts = (4 * (torch.arange(4).view(4, 1) + 4 * torch.arange(2).view(1, 2)))
+        codes = (words >> shifts.view(1, 1, 1, 4, 2, 1)) & 15  # [P, G, 4, 4 i, 2 h, 16]
         m = scales(32)
     else:
         body = weight[:, :, 32:].contiguous().view(torch.int8)

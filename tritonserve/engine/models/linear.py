@@ -114,4 +114,6 @@ def has_form(form: str, dtype: torch.dtype) -> bool:
     """`pack` can put a CPU weight of this dtype in `form` here."""
     if form == "panels":
         return cpu.panel_ops(dtype) is not None
+    if form == "quant":  # loaded or quantized already packed, never by `pack`
+        return dtype in PANEL_DTYPES and cpu.op("packed_linear_quant") is not None
     return form == "plain" or (form == "onednn" and onednn_runs(dtype))

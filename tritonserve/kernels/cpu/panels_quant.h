@@ -2,9 +2,12 @@
 // whose weights stay packed in memory and are widened in registers. Shared by
 // linear_quant.cpp (the matmul op) and decode_layers.cpp (the decode stack in fp32).
 // A panel is [G = K / 32] group records, each 32 k of the panel's 16 columns:
-//   u4 (320 B): d fp16 [16], m fp16 [16], nibbles [16 k pairs][16 columns], the byte of pair
-//       j and column c = q[2j][c] | q[2j + 1][c] << 4; weight = d[c] * q + m[c], q in 0..15
-//       (GGUF Q4_1 as it is; Q4_0 with m = -8 d; int4 with a zero point z: m = -z d)
+//   u4 (320 B): d fp16 [16], m fp16 [16], then 4 blocks of 8 k: 16 32-bit words, one a
+//       column, nibble 4 h + i of column c's word = q[8 b + 2 i + h][c] (i < 4, h < 2), so
+//       k pair i of the block is (word >> 4 i) & 0x000F000F: a shift and a mask, no shuffle
+//       (the byte-per-pair layout's vpmovzxbd held batch 1 at 14 GB/s a core, warm);
+//       weight = d[c] * q + m[c], q in 0..15 (GGUF Q4_1 as it is; Q4_0 with m = -8 d; int4
+//       with a zero point z: m = -z d)
 //   s8 (544 B): d fp16 [16], int8 [32 k][16 columns]; weight = d[c] * q (GGUF Q8_0; int8)
 // Same bytes a weight as the GGUF blocks (Q4_1: 20 B / 32, Q8_0: 34 B / 32), reordered so one
 // 16-byte load is a k pair (u4) or a k (s8) of all 16 columns: the lanes are columns, as in
@@ -33,7 +36,10 @@ constexpr int64_t kS8Bytes = 32 + 512;
 constexpr int kRows = 8;  // rows a register tile: 8 group sums + 8 totals
 // Records ahead the tile prefetches: the hardware prefetcher alone left the widening and the
 // weight stream apart, as in panels_fp32.h (kPrefetchRows).
-constexpr int64_t kAhead = 4;
+constexpr int64_t kAhead = 8;
+// Up to this many rows a tile keeps two chains of sums a row (even and odd k pairs): one chain
+// of a group's 16 dependent vdpbf16ps (or 32 FMAs) a row left batch 1 waiting on latency.
+constexpr int kSplit = 4;
 
 enum class Kind { kU4, kS8 };
 
@@ -74,24 +80,28 @@ inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const 
   const __m512i low = _mm512_set1_epi32(15);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* rec = w + g * bytes;
-    if (g + kAhead < G)
+    // past the panel's end: the next panel's records, which follow in memory
       for (int64_t line = 0; line < bytes; line += 64)
         __builtin_prefetch(rec + kAhead * bytes + line, 0, 3);
     const float* xg = x + g * kGroup;
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    // two chains a row for few rows (kSplit), summed at the group's end
+    __m512 acc[R], acc1[R];
+    __m512(&odd)[R] = R <= kSplit ? acc1 : acc;
+    for (int r = 0; r < R; ++r) acc[r] = acc1[r] = _mm512_setzero_ps();
     if constexpr (kind == Kind::kU4) {
 #pragma GCC unroll 4
       for (int j = 0; j < 16; ++j) {
-        const __m512i v = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 64 + 16 * j)));
+        const __m512i v = _mm512_srli_epi32(
+            _mm512_loadu_si512(rec + 64 + 64 * (j / 4)), 4 * (j % 4));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 16), low));
         for (int r = 0; r < R; ++r) {
           acc[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xg[r * ldx + 2 * j]), acc[r]);
-          acc[r] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xg[r * ldx + 2 * j + 1]), acc[r]);
+          odd[r] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xg[r * ldx + 2 * j + 1]), odd[r]);
         }
       }
+      if constexpr (R <= kSplit)
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], acc1[r]);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
       const __m512 m =
           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
@@ -101,12 +111,18 @@ inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const 
       }
     } else {
 #pragma GCC unroll 4
-      for (int k = 0; k < 32; ++k) {
+      for (int k = 0; k < 32; k += 2) {
         const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * k))));
-        for (int r = 0; r < R; ++r)
+        const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 48 + 16 * k))));
+        for (int r = 0; r < R; ++r) {
           acc[r] = _mm512_fmadd_ps(v, _mm512_set1_ps(xg[r * ldx + k]), acc[r]);
+          odd[r] = _mm512_fmadd_ps(u, _mm512_set1_ps(xg[r * ldx + k + 1]), odd[r]);
+        }
       }
+      if constexpr (R <= kSplit)
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], acc1[r]);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
       for (int r = 0; r < R; ++r) tot[r] = _mm512_fmadd_ps(d, acc[r], tot[r]);
     }
@@ -129,8 +145,11 @@ inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const 
       for (int j = 0; j < 16; ++j) {
         float lo[kCols], hi[kCols];
         for (int c = 0; c < kCols; ++c) {
-          lo[c] = static_cast<float>(rec[64 + 16 * j + c] & 15);
-          hi[c] = static_cast<float>(rec[64 + 16 * j + c] >> 4);
+          uint32_t word;
+          std::memcpy(&word, rec + 64 + 64 * (j / 4) + 4 * c, 4);
+          word >>= 4 * (j % 4);
+          lo[c] = static_cast<float>(word & 15);
+          hi[c] = static_cast<float>((word >> 16) & 15);
         }
         for (int r = 0; r < R; ++r) {
           const float a = xg[r * ldx + 2 * j], b = xg[r * ldx + 2 * j + 1];
@@ -177,9 +196,8 @@ inline void widen_group(const uint8_t* rec, __m512i* pairs) {
 #pragma GCC unroll 4
   for (int j = 0; j < 16; ++j) {
     if constexpr (kind == Kind::kU4) {  // lane = bf16(128 + q[2j]) | bf16(128 + q[2j+1]) << 16
-      const __m512i v = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 64 + 16 * j)));
-      const __m512i u = _mm512_or_si512(v, _mm512_slli_epi32(v, 12));
+      const __m512i u = _mm512_srli_epi32(_mm512_loadu_si512(rec + 64 + 64 * (j / 4)),
+                                          4 * (j % 4));
       pairs[j] = _mm512_ternarylogic_epi32(u, nibbles, offset, 0xEA);  // (u & nibbles) | offset
     } else {  // lane = bf16(q[2j]) | bf16(q[2j+1]) << 16, each exact
       const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -233,7 +251,7 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G
     __m512 d, m;
     if constexpr (Inline) {
       const uint8_t* rec = w + g * bytes;
-      if (g + kAhead < G)
+      // past the panel's end: the next panel's records, which follow in memory
         for (int64_t line = 0; line < bytes; line += 64)
           __builtin_prefetch(rec + kAhead * bytes + line, 0, 3);
       widen_group<kind>(rec, local);
@@ -243,13 +261,17 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G
       d = _mm512_castsi512_ps(pairs[16]), m = _mm512_castsi512_ps(pairs[17]);
     }
     const uint16_t* xg = x + g * kGroup;
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    __m512 acc[R], acc1[R];
+    __m512(&odd)[R] = R <= kSplit ? acc1 : acc;
+    for (int r = 0; r < R; ++r) acc[r] = acc1[r] = _mm512_setzero_ps();
 #pragma GCC unroll 4
-    for (int j = 0; j < 16; ++j) {
-      const __m512i pair = pairs[j];
+    for (int j = 0; j < 16; j += 2) {
+      const __m512i pair = pairs[j], next = pairs[j + 1];
       for (int r = 0; r < R; ++r) dp_row(acc[r], pair, xg + r * ldx + 2 * j);
+      for (int r = 0; r < R; ++r) dp_row(odd[r], next, xg + r * ldx + 2 * j + 2);
     }
+    if constexpr (R <= kSplit)
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], acc1[r]);
     for (int r = 0; r < R; ++r) {
       tot[r] = _mm512_fmadd_ps(d, acc[r], tot[r]);
       if constexpr (kind == Kind::kU4)
