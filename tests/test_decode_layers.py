@@ -67,6 +67,18 @@ def _compare_with_eager(llm) -> list[tuple[int, float, bool]]:
     return steps
 
 
+def nine_shrinking_to_one(llm) -> list[tuple[int, float, bool]]:
+    """_compare_with_eager over 9 sequences ending one by one (batches of 9 down to 1)."""
+    steps = _compare_with_eager(llm)
+    prompts = mixed_prompts(llm.tokenizer, count=9, seed=7)
+    lengths = [4, 9, 14, 20, 26, 30, 34, 38, 40]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n,
+                                                 ignore_eos=True) for n in lengths])
+    assert [len(o.token_ids) for o in outs] == lengths
+    assert {9, 1} <= {n for n, _, _ in steps}
+    return steps
+
+
 @needs_op
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_the_op_gives_the_eager_step_bit_for_bit(op_models, name):
@@ -110,12 +122,7 @@ def test_the_fp32_op_stays_within_rounding_of_the_eager_step(tiny_models):
     Qwen2 with its qkv bias."""
     for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
         llm = LLM(tiny_models[arch], dtype="float32", decode_mode="eager", max_num_seqs=16)
-        steps = _compare_with_eager(llm)
-        prompts = mixed_prompts(llm.tokenizer, count=9, seed=7)
-        lengths = [4, 9, 14, 20, 26, 30, 34, 38, 40]
-        llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                               for n in lengths])
-        assert {9, 1} <= {n for n, _, _ in steps}
+        steps = nine_shrinking_to_one(llm)
         assert max(gap for _, gap, _ in steps) < 1e-5, arch
 
 

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from tritonserve.engine import LLM, SamplingParams
 from tritonserve.kernels import cpu, quant_layout
 from tests.parity import TIE_GAP, assert_parity, hf_greedy
-from tests.test_decode_layers import SHAPE, _compare_with_eager, needs_op
+from tests.test_decode_layers import (SHAPE, _compare_with_eager, needs_op,
+                                      nine_shrinking_to_one)
 from tests.test_engine_parity import mixed_prompts
 from tests.tiny_models import write_tiny_model
 
@@ -72,12 +73,7 @@ def test_decode_layers_gives_the_eager_step_bit_for_bit_on_quantized_weights(qua
     batches of 9 down to 1 (the same tiles in both; gate/up without the fused activation)."""
     llm = LLM(quant_model, dtype="bfloat16", decode_mode="eager", quantization=quantization,
               max_num_seqs=16)
-    steps = _compare_with_eager(llm)
-    prompts = mixed_prompts(llm.tokenizer, count=9, seed=7)
-    lengths = [4, 9, 14, 20, 26, 30, 34, 38, 40]
-    llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                           for n in lengths])
-    assert {9, 1} <= {n for n, _, _ in steps}
+    steps = nine_shrinking_to_one(llm)
     assert all(same for _, _, same in steps), [n for n, _, same in steps if not same]
 
 

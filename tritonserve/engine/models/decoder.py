@@ -174,11 +174,11 @@ class DecoderForCausalLM(nn.Module):
         multiple of 32; the lm_head in s8 either way (a 4-bit output layer costs the most
         accuracy: llama.cpp keeps it at Q6_K / Q8_0 too)."""
         for layer in self.layers:
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                if weight_form(linear.weight) == "plain" and linear.in_features % 32 == 0:
-                    linear.weight = nn.Parameter(quant_layout.quantize(linear.weight, kind),
-                                                 requires_grad=False)
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                         layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                if weight_form(proj.weight) == "plain" and proj.in_features % 32 == 0:
+                    proj.weight = nn.Parameter(quant_layout.quantize(proj.weight, kind),
+                                               requires_grad=False)
         if self.arch.hidden_size % 32 == 0:
             if self.arch.tie_word_embeddings:
                 self.packed_tied_lm_head = quant_layout.quantize(self.embed_tokens.weight, "s8")
@@ -193,12 +193,12 @@ class DecoderForCausalLM(nn.Module):
         keeps its dense weights. The embedding stays dense for the lookup."""
         from .gguf import fuse_rows
 
-        def use(linear: Linear, names: list[str]) -> None:
+        def use(proj: Linear, names: list[str]) -> None:
             parts = [tensors.get(n) for n in names]
             if all(p is not None for p in parts):
                 packed = fuse_rows(parts)
                 if packed is not None:
-                    linear.weight = nn.Parameter(packed, requires_grad=False)
+                    proj.weight = nn.Parameter(packed, requires_grad=False)
 
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."

@@ -74,7 +74,7 @@ struct Team {
   const float eps, scale;
   std::vector<float> sums;  // a quantized matmul's input group sums
 #ifdef TS_AVX512_BF16
-  std::vector<__m512i> wide;  // a quantized panel widened (panels_quant.h)
+  std::vector<__m512i> wide;  // a quantized panel widened (panels_quant_bf16.h)
 #endif
 
   Team(Stack<T>& stack, bool timing)

@@ -20,7 +20,7 @@
 #include "panels_amx.h"
 #include "panels_bf16.h"
 #include "panels_fp32.h"
-#include "panels_quant.h"
+#include "panels_quant_bf16.h"
 
 namespace tritonserve_stack {
 

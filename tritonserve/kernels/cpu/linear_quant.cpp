@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "owned_panels.h"
-#include "panels_quant.h"
+#include "panels_quant_bf16.h"
 
 namespace {
 

@@ -5,18 +5,20 @@
 //   u4 (320 B): d fp16 [16], m fp16 [16], then 4 blocks of 8 k: 16 32-bit words, one a
 //       column, nibble 4 h + i of column c's word = q[8 b + 2 i + h][c] (i < 4, h < 2), so
 //       k pair i of the block is (word >> 4 i) & 0x000F000F: a shift and a mask, no shuffle
-//       (the byte-per-pair layout's vpmovzxbd held batch 1 at 14 GB/s a core, warm);
+//       (fewer uops than a byte a pair widened by vpmovzxbd; no difference measured,
+//       docs/perf-log/2026-12-04-quantized-weights.md);
 //       weight = d[c] * q + m[c], q in 0..15 (GGUF Q4_1 as it is; Q4_0 with m = -8 d; int4
 //       with a zero point z: m = -z d)
 //   s8 (544 B): d fp16 [16], int8 [32 k][16 columns]; weight = d[c] * q (GGUF Q8_0; int8)
 // Same bytes a weight as the GGUF blocks (Q4_1: 20 B / 32, Q8_0: 34 B / 32), reordered so one
-// 16-byte load is a k pair (u4) or a k (s8) of all 16 columns: the lanes are columns, as in
-// panels_fp32.h, with no horizontal sums. A group's sums stay apart until its scale:
+// load is 4 k pairs (u4, 64 B) or a k (s8, 16 B) of all 16 columns: the lanes are columns, as
+// in panels_fp32.h, with no horizontal sums. A group's sums stay apart until its scale:
 //   y[c] += d[c] * sum_k q[k][c] x[k] + m[c] * sum_k x[k]
 // (xsum: each row's group sums, computed once a call by group_sums). Against the dequantized
 // weights' sum_k (d q + m) x this changes only the rounding (fp32 sums either way).
 // The weight tensor is uint8 [P, G, record bytes]; packing is Python's
-// (kernels/quant_layout.py), with a torch reference of the dequantized weight.
+// (kernels/quant_layout.py), with a torch reference of the dequantized weight. The tile for
+// bf16 x: panels_quant_bf16.h.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -179,182 +181,6 @@ inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const 
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, tot[r], ncols * sizeof(float));
 }
 #endif
-
-#ifdef TS_AVX512_BF16
-// bf16 x: a k pair of the 16 columns widened to 16 lanes of two bf16 (vdpbf16ps's operand),
-// one vdpbf16ps a row. u4 codes go in as 128 + q (bf16 0x4300 | q: exact), the 128 taken
-// back with m' = m - 128 d; s8 codes as themselves (every int8 is a bf16). fp32 sums, y
-// rounded to bf16 once. Against the fp32 tile: twice the multiply-adds an instruction (a
-// batch-64 SmolLM2 step is compute-bound), the same bytes.
-// Past one tile of rows the panel is widened once into scratch and read by every tile:
-// widened per tile of 8 rows, SmolLM2's batch-64 matmuls took 53 ms against the dense bf16
-// panels' 41; with the totals in memory a group (not registers), 50.
-template <Kind kind>
-inline void widen_group(const uint8_t* rec, __m512i* pairs) {
-  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), offset = _mm512_set1_epi32(0x43004300);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-#pragma GCC unroll 4
-  for (int j = 0; j < 16; ++j) {
-    if constexpr (kind == Kind::kU4) {  // lane = bf16(128 + q[2j]) | bf16(128 + q[2j+1]) << 16
-      const __m512i u = _mm512_srli_epi32(_mm512_loadu_si512(rec + 64 + 64 * (j / 4)),
-                                          4 * (j % 4));
-      pairs[j] = _mm512_ternarylogic_epi32(u, nibbles, offset, 0xEA);  // (u & nibbles) | offset
-    } else {  // lane = bf16(q[2j]) | bf16(q[2j+1]) << 16, each exact
-      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 32 * j))));
-      const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 48 + 32 * j))));
-      pairs[j] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 16),
-                                           _mm512_castps_si512(b), high, 0xF8);  // a | (b & high)
-    }
-  }
-}
-
-// acc += x's pair at p (broadcast) . the widened pair; under GCC the broadcast is the
-// instruction's memory operand (the intrinsic became a scalar load and a vpbroadcastd)
-inline void dp_row(__m512& acc, __m512i pair, const uint16_t* p) {
-#if defined(__GNUC__) && !defined(__clang__)
-  asm("vdpbf16ps %[x]%{1to16%}, %[w], %[acc]"
-      : [acc] "+v"(acc)
-      : [w] "v"(pair), [x] "m"(*reinterpret_cast<const uint32_t*>(p)));
-#else
-  uint32_t word;
-  std::memcpy(&word, p, 4);
-  acc = _mm512_dpbf16_ps(acc, (__m512bh)pair, (__m512bh)_mm512_set1_epi32(word));
-#endif
-}
-
-// The group's scale d and offset (u4: m' = m - 128 d, undoing the 128 in the codes)
-template <Kind kind>
-inline void group_scales(const uint8_t* rec, __m512& d, __m512& m) {
-  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
-  m = _mm512_setzero_ps();
-  if constexpr (kind == Kind::kU4)
-    m = _mm512_fnmadd_ps(
-        _mm512_set1_ps(128.f), d,
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32))));
-}
-
-// R rows against a panel: widened inline (Inline: at most one tile of rows, the weight read
-// once) or read from `wide` (G groups of 16 pairs, d, m', widened once for every tile). The
-// totals stay in registers over all of K.
-template <int R, Kind kind, bool Inline>
-inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G,
-                      const uint8_t* w, const __m512i* wide, uint16_t* y, int64_t ldy,
-                      int64_t ncols, const float* bias) {
-  constexpr int64_t bytes = kind == Kind::kU4 ? kU4Bytes : kS8Bytes;
-  __m512 tot[R];
-  for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_ps();
-  alignas(64) __m512i local[16];
-  for (int64_t g = 0; g < G; ++g) {
-    const __m512i* pairs = wide + g * 18;
-    __m512 d, m;
-    if constexpr (Inline) {
-      const uint8_t* rec = w + g * bytes;
-      // past the panel's end: the next panel's records, which follow in memory
-        for (int64_t line = 0; line < bytes; line += 64)
-          __builtin_prefetch(rec + kAhead * bytes + line, 0, 3);
-      widen_group<kind>(rec, local);
-      pairs = local;
-      group_scales<kind>(rec, d, m);
-    } else {
-      d = _mm512_castsi512_ps(pairs[16]), m = _mm512_castsi512_ps(pairs[17]);
-    }
-    const uint16_t* xg = x + g * kGroup;
-    __m512 acc[R], acc1[R];
-    __m512(&odd)[R] = R <= kSplit ? acc1 : acc;
-    for (int r = 0; r < R; ++r) acc[r] = acc1[r] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int j = 0; j < 16; j += 2) {
-      const __m512i pair = pairs[j], next = pairs[j + 1];
-      for (int r = 0; r < R; ++r) dp_row(acc[r], pair, xg + r * ldx + 2 * j);
-      for (int r = 0; r < R; ++r) dp_row(odd[r], next, xg + r * ldx + 2 * j + 2);
-    }
-    if constexpr (R <= kSplit)
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], acc1[r]);
-    for (int r = 0; r < R; ++r) {
-      tot[r] = _mm512_fmadd_ps(d, acc[r], tot[r]);
-      if constexpr (kind == Kind::kU4)
-        tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), tot[r]);
-    }
-  }
-  const __mmask16 mask = ncols >= kCols ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r)
-    _mm256_mask_storeu_epi16(y + r * ldy, mask,
-                             (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(tot[r], b)));
-}
-
-template <Kind kind>
-inline void rows_product_bf16(const uint16_t* x, int64_t ldx, int64_t M, const float* xs,
-                              int64_t G, const uint8_t* w, uint16_t* y, int64_t ldy,
-                              int64_t ncols, __m512i* wide, const float* bias) {
-  constexpr int64_t bytes = kind == Kind::kU4 ? kU4Bytes : kS8Bytes;
-  const bool once = M <= kRows;
-  if (!once)
-    for (int64_t g = 0; g < G; ++g) {
-      widen_group<kind>(w + g * bytes, wide + g * 18);
-      __m512 d, m;
-      group_scales<kind>(w + g * bytes, d, m);
-      wide[g * 18 + 16] = _mm512_castps_si512(d), wide[g * 18 + 17] = _mm512_castps_si512(m);
-    }
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-    const uint16_t* xm = x + m0 * ldx;
-    const float* sm = xs + m0 * G;
-    uint16_t* ym = y + m0 * ldy;
-    switch (std::min<int64_t>(kRows, M - m0) + (once ? 0 : kRows)) {
-#define TS_QUANT_TILE(R)                                                            \
-  case R: tile_bf16<R, kind, true>(xm, ldx, sm, G, w, wide, ym, ldy, ncols, bias); break; \
-  case R + kRows:                                                                   \
-    tile_bf16<R, kind, false>(xm, ldx, sm, G, w, wide, ym, ldy, ncols, bias);       \
-    break;
-      TS_QUANT_TILE(1) TS_QUANT_TILE(2) TS_QUANT_TILE(3) TS_QUANT_TILE(4)
-      TS_QUANT_TILE(5) TS_QUANT_TILE(6) TS_QUANT_TILE(7) TS_QUANT_TILE(8)
-#undef TS_QUANT_TILE
-    }
-  }
-}
-
-// __m512i words of scratch a panel of K needs (panel_product_bf16's `wide`)
-inline int64_t wide_words(int64_t K) { return K / kGroup * 18; }
-
-// bf16 rows [0, M) of x against one panel, y bf16; xs: group_sums_bf16 of the same rows;
-// wide: wide_words(K) of 64-byte aligned scratch (used past one tile of rows); bias: the
-// panel's 16 fp32 biases, added before the rounding, or nullptr
-inline void panel_product_bf16(Kind kind, const uint16_t* x, int64_t M, int64_t K,
-                               const float* xs, const uint8_t* panel, uint16_t* y, int64_t ldy,
-                               int64_t ncols, __m512i* wide, const float* bias) {
-  const int64_t G = K / kGroup;
-  if (kind == Kind::kU4)
-    rows_product_bf16<Kind::kU4>(x, K, M, xs, G, panel, y, ldy, ncols, wide, bias);
-  else
-    rows_product_bf16<Kind::kS8>(x, K, M, xs, G, panel, y, ldy, ncols, wide, bias);
-}
-#endif
-
-// x [M, K] bf16 (raw bits) -> fp32 rows, for the builds without AVX512-BF16
-inline void widen_rows(const uint16_t* x, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t wide = static_cast<uint32_t>(x[i]) << 16;
-    std::memcpy(out + i, &wide, 4);
-  }
-}
-
-// xs[r * G + g] = group sums of bf16 rows (exact widening, fp32 sums)
-inline void group_sums_bf16(const uint16_t* x, int64_t ldx, int64_t R, int64_t K, float* xs) {
-  const int64_t G = K / kGroup;
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.f;
-      for (int64_t k = 0; k < kGroup; ++k) {
-        const uint32_t wide = static_cast<uint32_t>(x[r * ldx + g * kGroup + k]) << 16;
-        float f;
-        std::memcpy(&f, &wide, 4);
-        s += f;
-      }
-      xs[r * G + g] = s;
-    }
-}
 
 template <Kind kind>
 inline void rows_product(const float* x, int64_t ldx, int64_t M, const float* xs, int64_t G,
