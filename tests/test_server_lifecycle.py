@@ -54,8 +54,10 @@ def start_server(model: str, *extra: str, program: tuple[str, ...] = ("-m", "tri
 @pytest.mark.slow
 def test_sigterm_ends_streams_still_running_after_the_grace_period(tiny_model):
     import threading
-    # one sequence at a time: the second stream cannot finish within the 0.2 s grace period
-    proc, port = start_server(tiny_model, "--grace-period", "0.2", "--max-num-seqs", "1")
+    # one sequence at a time: the second stream cannot finish within the 0.05 s grace period
+    # (the tiny model's 480 tokens took ~0.15 s a stream: with SIGTERM at 0.2 s and a 0.2 s
+    # grace, both once finished in time)
+    proc, port = start_server(tiny_model, "--grace-period", "0.05", "--max-num-seqs", "1")
     try:
         body = {"prompt": "long", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
                 "stream": True}
@@ -67,7 +69,7 @@ def test_sigterm_ends_streams_still_running_after_the_grace_period(tiny_model):
         threads = [threading.Thread(target=client, args=(n,)) for n in ("a", "b")]
         for t in threads:
             t.start()
-        time.sleep(0.2)
+        time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(60)

@@ -1,5 +1,5 @@
 """tritonserve bench {throughput,profile,kernels,serve,conformance,grammar,loading,
-    engine-check,compile-probe,cpu-decode,cpu-linear,ab-trees} ..."""
+    engine-check,compile-probe,cpu-decode,cpu-linear,quant-accuracy,ab-trees} ..."""
 from __future__ import annotations
 
 import importlib
@@ -17,6 +17,7 @@ COMMANDS = {
     "compile-probe": "tritonserve.bench.compile_probe",
     "cpu-decode": "tritonserve.bench.cpu_decode",
     "cpu-linear": "tritonserve.bench.cpu_linear",
+    "quant-accuracy": "tritonserve.bench.quant_accuracy",
     "ab-trees": "tritonserve.bench.ab_trees",
 }
 
