@@ -86,14 +86,7 @@ def test_the_op_gives_the_eager_step_bit_for_bit(op_models, name):
     to 1 (one item a KV head), contexts of 1 to 5 pages: the op's hidden states and the K/V it
     writes are the eager step's, bit for bit, at every size."""
     llm = LLM(op_models[name], dtype="bfloat16", decode_mode="eager", max_num_seqs=16)
-    steps = _compare_with_eager(llm)
-    prompts = mixed_prompts(llm.tokenizer, count=9, seed=7)
-    lengths = [4, 9, 14, 20, 26, 30, 34, 38, 40]
-    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n,
-                                                 ignore_eos=True) for n in lengths])
-    assert [len(o.token_ids) for o in outs] == lengths
-    sizes = {n for n, _, _ in steps}
-    assert 9 in sizes and 1 in sizes
+    steps = nine_shrinking_to_one(llm)
     assert all(same for _, _, same in steps), [n for n, _, same in steps if not same]
 
 

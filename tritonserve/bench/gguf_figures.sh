@@ -29,17 +29,12 @@ bench() {  # name port concurrency prompts output_len seed extra...
   grep -E "Output token throughput|Total generated|Median TPOT" "$out/$name.txt" | sed "s/^/$name: /"
 }
 wait_ready() { until curl -sf "http://127.0.0.1:$1/v1/models" > /dev/null; do sleep 2; done; }
-machine() {
-$py - <<'PY'
-import json, time, torch
-x = torch.randn(64 << 20)  # 256 MiB
-x.sum()
-start = time.perf_counter()
-for _ in range(5):
-    x.sum()
-read = 5 * x.numel() * 4 / (time.perf_counter() - start) / 1e9
-print(json.dumps({"read_GB/s": round(read, 1), "floor_1_stream_tok/s": round(read / 0.0964, 1)}))
-PY
+machine() {  # the read rate as `tritonserve bench cpu-linear` measures it (best of 5)
+$py -c "
+import json
+from tritonserve.bench.cpu_decode import read_gbps
+read = read_gbps()
+print(json.dumps({'read_GB/s': round(read, 1), 'floor_1_stream_tok/s': round(read / 0.0964, 1)}))"
 }
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
@@ -58,19 +53,7 @@ for p in 8123 8124 8200; do wait_ready "$p"; done
 sleep 1
 machine | sed 's/^/before: /' | tee "$out/machine.txt"
 for i in "${!names[@]}"; do bench "${names[$i]}_warmup" "${ports[$i]}" 4 4 16 1000; done
-cell=0
-count=${#names[@]}
-for spec in "1 8 64" "16 32 64" "64 64 128"; do
-  set -- $spec
-  for sampling in default greedy; do
-    extra=(); seed=$((10 * $1))
-    if [ "$sampling" = greedy ]; then extra=(--temperature 0); seed=$((seed + 1)); fi
-    for k in $(seq 0 $((count - 1))); do
-      i=$(( (k + cell) % count ))
-      bench "${names[$i]}_c$1_$sampling" "${ports[$i]}" "$1" "$2" "$3" "$seed" "${extra[@]}"
-    done
-    cell=$((cell + 1))
-  done
-done
+source tritonserve/bench/cells.sh
+run_cells
 machine | sed 's/^/after: /' | tee -a "$out/machine.txt"
 grep -h "serving\|quantized weights" "$out/ours.log" "$out/ours_bf16.log" | head -4

@@ -66,20 +66,8 @@ for p in "${ports[@]}"; do wait_ready "$p"; done
 
 machine | sed 's/^/before: /' | tee "$out/machine.txt"
 for i in "${!names[@]}"; do bench "${names[$i]}_warmup" "${ports[$i]}" 16 16 16 1000; done
-cell=0
-count=${#names[@]}
-for spec in "1 8 64" "16 32 64" "64 64 128"; do
-  set -- $spec
-  for sampling in default greedy; do
-    extra=(); seed=$((10 * $1))
-    if [ "$sampling" = greedy ]; then extra=(--temperature 0); seed=$((seed + 1)); fi
-    for k in $(seq 0 $((count - 1))); do  # the order turns by one server each cell
-      i=$(( (k + cell) % count ))
-      bench "${names[$i]}_c$1_$sampling" "${ports[$i]}" "$1" "$2" "$3" "$seed" "${extra[@]}"
-    done
-    cell=$((cell + 1))
-  done
-done
+source tritonserve/bench/cells.sh
+run_cells
 machine | sed 's/^/after: /' | tee -a "$out/machine.txt"
 kill "${pids[@]}" 2>/dev/null || true
 wait 2>/dev/null || true

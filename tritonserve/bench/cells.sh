@@ -1,0 +1,22 @@
+# The cells of a side-by-side run, sourced by peer_figures.sh and gguf_figures.sh: each
+# (streams x sampling) cell on every server of the caller's `names` / `ports` arrays, back to
+# back, the order turning by one server from cell to cell (so a pair of figures is minutes
+# apart, not a whole server's run). Calls the caller's `bench NAME PORT STREAMS PROMPTS
+# OUTPUT_LEN SEED EXTRA...`. Streams 1, 16, 64 with 8 x 64, 32 x 64, 64 x 128 requests x
+# tokens; each run draws its own prompts (seed).
+run_cells() {
+  local cell=0 count=${#names[@]} spec sampling seed k i
+  local -a extra
+  for spec in "1 8 64" "16 32 64" "64 64 128"; do
+    set -- $spec
+    for sampling in default greedy; do
+      extra=(); seed=$((10 * $1))
+      if [ "$sampling" = greedy ]; then extra=(--temperature 0); seed=$((seed + 1)); fi
+      for k in $(seq 0 $((count - 1))); do
+        i=$(( (k + cell) % count ))
+        bench "${names[$i]}_c$1_$sampling" "${ports[$i]}" "$1" "$2" "$3" "$seed" "${extra[@]}"
+      done
+      cell=$((cell + 1))
+    done
+  done
+}
