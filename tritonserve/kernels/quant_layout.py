@@ -18,13 +18,14 @@ import torch
 COLS = 16
 GROUP = 32
 RECORD_BYTES = {"u4": 64 + 256, "s8": 32 + 512}
+_KINDS = {size: kind for kind, size in RECORD_BYTES.items()}  # kind_of runs once a matmul call
 
 
 def kind_of(weight: torch.Tensor) -> str | None:
     """u4 or s8 for a packed weight, None for anything else."""
     if weight.dtype != torch.uint8 or weight.dim() != 3:
         return None
-    return {v: k for k, v in RECORD_BYTES.items()}.get(weight.shape[2])
+    return _KINDS.get(weight.shape[2])
 
 
 def pack(kind: str, d: torch.Tensor, q: torch.Tensor, m: torch.Tensor | None = None
