@@ -23,6 +23,9 @@ from .request import Request
 from .sampler import SampledToken, Sampler
 from .scheduler import ScheduledRequest, SchedulerOutput
 
+# the plan's weights quantized at load -> the packed kind (kernels/quant_layout.py)
+QUANTIZED_AT_LOAD = {"int4": "u4", "int8": "s8"}
+
 log = logging.getLogger("tritonserve.engine")
 
 
@@ -55,19 +58,19 @@ class ModelRunner:
                                  dummy=config.load_format == "dummy", seed=config.seed)
         form = self.plan.weights
         # the dense panels beside quantized weights (plan.dense_above): a copy made before
-        # the quantized weights replace the projections, sharing the embedding and norms
+        # the quantized weights replace the projections, sharing the embedding table
         self.dense_model = None
         if self.plan.dense_above:
-            self.dense_model = copy.deepcopy(self.model)
-            self.dense_model.embed_tokens = self.model.embed_tokens
+            table = self.model.embed_tokens
+            self.dense_model = copy.deepcopy(self.model, memo={id(table): table})
             self.dense_model.prepack_weights("panels", config.scheduler.max_num_seqs)
         if form == "gguf":
             tensors = read_quantized(gguf, arch.num_heads, arch.num_kv_heads)
             self.model.load_quantized(tensors)
             log.info("quantized weights from %s: %s", gguf.name, types_of(tensors))
-        elif form in ("int4", "int8"):
-            self.model.quantize_weights("u4" if form == "int4" else "s8")
-        if form in ("gguf", "int4", "int8"):
+        elif form in QUANTIZED_AT_LOAD:
+            self.model.quantize_weights(QUANTIZED_AT_LOAD[form])
+        if form == "gguf" or form in QUANTIZED_AT_LOAD:  # the projections left dense
             form = "panels" if has_form("panels", config.torch_dtype) else "plain"
         self.model.prepack_weights(form, batch_hint=config.scheduler.max_num_seqs)
         self.backend = make_attention_backend(self.plan.attention)

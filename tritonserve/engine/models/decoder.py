@@ -16,6 +16,7 @@ from tritonserve.kernels import cpu, quant_layout
 from ..attention import AttentionBackend, AttentionMetadata
 from . import ops
 from .arch import ModelArch, rope_inv_freq
+from .gguf import fuse_rows
 from .linear import Linear, linear, pack, weight_form
 
 
@@ -191,8 +192,6 @@ class DecoderForCausalLM(nn.Module):
         weights: tensors by Hugging Face name (engine/models/gguf.py's read_quantized). q, k, v
         and gate, up are stacked into the fused weights; a layer whose parts differ in kind
         keeps its dense weights. The embedding stays dense for the lookup."""
-        from .gguf import fuse_rows
-
         def use(proj: Linear, names: list[str]) -> None:
             parts = [tensors.get(n) for n in names]
             if all(p is not None for p in parts):
