@@ -38,6 +38,9 @@ setup(
         "test": ["pytest>=8", "hypothesis>=6.100", "openai>=1.40", "matplotlib>=3.8",
                  # the client agent frameworks drive servers with (tests/test_langchain.py)
                  "langchain-openai>=1.6",
+                 # writes the W4A16 / W8A16 fixture checkpoints and decompresses them
+                 # (tests/test_compressed_checkpoint.py); the engine reads them without it
+                 "compressed-tensors>=0.20",
                  # tests/test_packaging.py builds the wheel offline (--no-build-isolation)
                  "setuptools>=70.1"],
     },

@@ -104,8 +104,9 @@ def test_the_plan_names_the_form_and_refuses_what_cannot_run(quant_model):
     assert plan.why_weights == "quantized at load: groups of 32, scale and offset"
     with pytest.raises(ValueError, match="quantization 'gguf' needs a GGUF model"):
         LLM(quant_model, dtype="float32", quantization="gguf")
-    with pytest.raises(ValueError, match="quantization 'int8' runs on the CPU with the C\\+\\+ "
-                                         "library in float32 or bfloat16"):
+    with pytest.raises(ValueError, match="quantization 'int8' runs on CUDA \\(Triton\\), or "
+                                         "on the CPU with the C\\+\\+ library in float32 or "
+                                         "bfloat16"):
         LLM(quant_model, dtype="float16", quantization="int8")
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(quant_model, quantization="int3")
@@ -125,7 +126,7 @@ def test_smollm2_served_as_its_gguf_blocks_is_exact(smollm2_path):
     from tritonserve.engine.models.gguf import read_quantized
 
     tensors = read_quantized(gguf_path(), 9, 3)
-    assert {t.ggml_type for t in tensors.values()} == {"Q4_1", "Q8_0"} and len(tensors) == 211
+    assert {t.type_name for t in tensors.values()} == {"Q4_1", "Q8_0"} and len(tensors) == 211
     with safe_open(f"{smollm2_path}/model.safetensors", framework="pt") as f:
         for name, tensor in tensors.items():
             assert torch.equal(quant_layout.dequantize(tensor.packed, tensor.shape[0]),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared script for a CUDA machine, under 8 minutes: the kernel tests on CUDA, the
-# kernel microbenchmarks (shares of this run's measured copy bandwidth and matmul rate), then
+# kernel microbenchmarks (shares of this run's measured copy bandwidth and matmul rate; the
+# w4a16 / w8a16 matmul at batch 1 and 64 beside the dense bf16 one), then
 # the engine end to end on a Llama-3-8B-shaped dummy model in bf16 (Triton vs torch greedy
 # agreement, decode tok/s at batch 1/64/256 eager and with CUDA graphs captured per bucket,
 # transformers generate_batch). Writes the report
@@ -28,7 +29,8 @@ else
   export TRITON_INTERPRET=0
   where=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)
   tests=(tests/test_kernels_attention.py tests/test_kernels_sampling.py
-         tests/test_kernels_fused.py tests/test_decode_graphs.py -k "not compiled")
+         tests/test_kernels_fused.py tests/test_quant_triton.py tests/test_decode_graphs.py
+         -k "not compiled")
   kernel_args=()
   engine_args=(--shape llama3-8b --dtype bfloat16 --batches 1,64,256 --hf-batches 64
                --input-len 128 --output-len 64)

@@ -4,7 +4,10 @@ and FlashInfer, bench/sampling_baselines.py), with triton.testing.do_bench media
 
 tritonserve bench kernels [--peak-gbps 4300] [--batch 64] [--context 4096] [--heads 32]
     [--kv-heads 8] [--head-dim 128] [--dtype bfloat16] [--block-size 16]
-    [--sample-batch 128] [--vocab 128256] [--json PATH]
+    [--sample-batch 128] [--vocab 128256] [--linear 4096,14336] [--json PATH]
+
+The w4a16 / w8a16 rows: one K x N matmul at 1 row (GB/s of the packed weight against this
+run's copy bandwidth) and at 64 rows (TFLOP/s against this run's dense matmul rate).
 
 Without CUDA it times the torch paths only (smaller default shapes), and says so.
 """
@@ -19,7 +22,8 @@ import torch
 
 from tritonserve.kernels import triton as kernels
 
-from tritonserve.kernels import reference
+from tritonserve.kernels import quant_layout, reference
+from tritonserve.kernels.triton import quant_matmul
 from tritonserve.kernels.triton._common import interpreting
 
 from .sampling_baselines import sampling_rows
@@ -137,7 +141,39 @@ def bench_all(args) -> list[dict]:
         k_new, k_new, k_cache, v_cache, slots)), wbytes)
 
     sampling_rows(args.sample_batch, args.vocab, device, measure, add)
+    quant_rows(args, device, dtype, measure, add, triton_too)
     return rows, ceilings
+
+
+def packed_weight(kind: str, n: int, k: int, device: str) -> torch.Tensor:
+    """A random packed weight (kernels/quant_layout.py) with sane fp16 scales: timing only."""
+    record = quant_layout.RECORD_BYTES[kind]
+    weight = torch.randint(0, 256, (-(-n // quant_layout.COLS), k // quant_layout.GROUP,
+                                    record), dtype=torch.uint8, device=device)
+    scales = 64 if kind == "u4" else 32
+    weight[:, :, :scales] = torch.full((scales // 2,), 0.01, dtype=torch.float16,
+                                       device=device).view(torch.uint8)
+    return weight
+
+
+def quant_rows(args, device, dtype, measure, add, triton_too) -> None:
+    """w4a16 / w8a16 (kernels/triton/quant_matmul.py) on one matmul of --linear K,N at batch 1
+    (share of the copy bandwidth: bytes read) and at 64 rows (share of the dense matmul
+    rate), beside the dense matmul of the same shape in the kernels' dtype."""
+    k, n = (int(v) for v in args.linear.split(","))
+    dense = torch.randn(n, k, device=device, dtype=dtype)
+    for rows in (1, 64):
+        x = torch.randn(rows, k, device=device, dtype=dtype)
+        flops = 2 * rows * n * k
+        add(f"linear {rows}x{k}x{n}", f"dense {args.dtype}", measure(lambda: x @ dense.t()),
+            dense.numel() * dense.element_size(), flops)
+        if not triton_too:
+            continue
+        for kind in ("u4", "s8"):
+            weight = packed_weight(kind, n, k, device)
+            add(f"linear {rows}x{k}x{n}", f"triton {'w4a16' if kind == 'u4' else 'w8a16'}",
+                measure(lambda: quant_matmul.quant_linear(x, weight, n)),
+                weight.numel(), flops)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--sample-batch", type=int, default=128 if cuda else 16)
     p.add_argument("--vocab", type=int, default=128256 if cuda else 32000)
+    p.add_argument("--linear", default="4096,14336" if cuda else "128,256",
+                   help="K,N of the w4a16 / w8a16 matmul rows")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if not cuda:

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = (ROOT / "docs" / "architecture.md", ROOT / "README.md")
 # (form, reference, dtype)
 DEFAULT_ROWS = (("gguf", "none", "float32"), ("int8", "none", "bfloat16"),
-                ("int4", "none", "bfloat16"))
+                ("int4", "none", "bfloat16"), ("int4-g64", "none", "bfloat16"),
+                ("int4-g128", "none", "bfloat16"))
 
 
 def window_logprobs(model: str | None, quantization: str, dtype: str,

@@ -15,10 +15,13 @@ DTYPE_CHOICES = ("auto", *_DTYPES)  # auto: the model's dtype where the device r
 DECODE_MODES = ("auto", "eager", "static", "compile", "cudagraph", "compile+cudagraph", "layers")
 CLI_DECODE_MODES = tuple(m for m in DECODE_MODES if m != "static")
 # Projection weights: gguf serves a GGUF file's quantized blocks as they are
-# (engine/models/gguf.py); int4 / int8 quantize a checkpoint's weights at load
-# (kernels/quant_layout.py: quantize); none the dense weights (a GGUF's dense conversion);
-# auto: engine/plan.py decides (AUTO_QUANTIZATION) and says why.
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+# (engine/models/gguf.py), compressed-tensors a W4A16 / W8A16 checkpoint's codes
+# (engine/models/compressed.py); int4 (groups of 32; -g64, -g128) / int8 quantize a
+# checkpoint's weights at load (kernels/quant_layout.py: quantize); none the dense weights (a
+# GGUF's dense conversion, a compressed checkpoint dequantized); auto: engine/plan.py decides
+# and says why.
+QUANTIZATIONS = ("auto", "none", "gguf", "compressed-tensors", "int8", "int4", "int4-g64",
+                 "int4-g128")
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -16,6 +16,7 @@ from .config import EngineConfig
 from .decode_graphs import DecodeGraphs, bucket_sizes
 from .memory import DeviceMemory
 from .models import ForwardContext, ModelArch, build_model
+from .models.compressed import read_compressed, scheme_of
 from .models.gguf import read_quantized, types_of
 from .models.linear import has_form
 from .plan import resolve_plan
@@ -23,8 +24,9 @@ from .request import Request
 from .sampler import SampledToken, Sampler
 from .scheduler import ScheduledRequest, SchedulerOutput
 
-# the plan's weights quantized at load -> the packed kind (kernels/quant_layout.py)
-QUANTIZED_AT_LOAD = {"int4": "u4", "int8": "s8"}
+# the plan's weights quantized at load -> the packed kind and group (kernels/quant_layout.py)
+QUANTIZED_AT_LOAD = {"int4": ("u4", 32), "int4-g64": ("u4", 64), "int4-g128": ("u4", 128),
+                     "int8": ("s8", 32)}
 
 log = logging.getLogger("tritonserve.engine")
 
@@ -51,11 +53,16 @@ class ModelRunner:
         self.arch = arch
         self.device = torch.device(config.device)
         self.memory = DeviceMemory(self.device)
-        self.plan = resolve_plan(config, arch, gguf)
+        scheme = scheme_of(folder)
+        self.plan = resolve_plan(config, arch, gguf, scheme)
         log.info("decode plan: %s", self.plan.describe())
         self.block_size = config.cache.block_size
+        dense, packed = (read_compressed(folder, scheme) if scheme is not None
+                         and config.load_format != "dummy" else (None, None))
         self.model = build_model(arch, folder, config.torch_dtype, self.device, max_positions,
-                                 dummy=config.load_format == "dummy", seed=config.seed)
+                                 dummy=config.load_format == "dummy", seed=config.seed,
+                                 substitute=dense)
+        del dense
         form = self.plan.weights
         # the dense panels beside quantized weights (plan.dense_above): a copy made before
         # the quantized weights replace the projections, sharing the embedding table
@@ -64,15 +71,22 @@ class ModelRunner:
             table = self.model.embed_tokens
             self.dense_model = copy.deepcopy(self.model, memo={id(table): table})
             self.dense_model.prepack_weights("panels", config.scheduler.max_num_seqs)
+            self.dense_model.gather_streamed_weights()
         if form == "gguf":
             tensors = read_quantized(gguf, arch.num_heads, arch.num_kv_heads)
             self.model.load_quantized(tensors)
             log.info("quantized weights from %s: %s", gguf.name, types_of(tensors))
+        elif form == "compressed-tensors":
+            self.model.load_quantized(packed)
+            log.info("quantized weights from %s: %s", scheme.describe(), types_of(packed))
         elif form in QUANTIZED_AT_LOAD:
-            self.model.quantize_weights(QUANTIZED_AT_LOAD[form])
-        if form == "gguf" or form in QUANTIZED_AT_LOAD:  # the projections left dense
+            self.model.quantize_weights(*QUANTIZED_AT_LOAD[form])
+        if form in ("gguf", "compressed-tensors") or form in QUANTIZED_AT_LOAD:
+            # the projections left dense
             form = "panels" if has_form("panels", config.torch_dtype) else "plain"
         self.model.prepack_weights(form, batch_hint=config.scheduler.max_num_seqs)
+        if self.device.type == "cpu":
+            self.model.gather_streamed_weights()
         self.backend = make_attention_backend(self.plan.attention)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -9,8 +9,9 @@ Four choices, each with its reason:
   compile+cudagraph: CUDA graphs per batch bucket; static: static buffers op by op (a test
   fixture, not on the command line); eager: op by op. Prefill steps always run eager.
 - weights: the CPU projection weights' form (engine/models/linear.py). gguf: a GGUF file's
-  quantized blocks as they are; int4 / int8: quantized at load (both the C++ quantized
-  panels, kernels/quant_layout.py; any dense projection left in panels);
+  quantized blocks as they are; compressed-tensors: a W4A16 / W8A16 checkpoint's codes
+  (engine/models/compressed.py); int4 (-g64, -g128) / int8: quantized at load (all the C++
+  quantized panels, kernels/quant_layout.py; any dense projection left in panels);
   panels: the C++ panel kernels (fp32, bf16); onednn: oneDNN's blocked layout; plain: [N, K]
   for F.linear.
 - attention: triton (CUDA), cpu (the C++ paged attention reading the cache in place), torch
@@ -29,6 +30,7 @@ from tritonserve.kernels import cpu
 
 from .config import EngineConfig
 from .models import ModelArch
+from .models.compressed import Scheme
 from .models.linear import PANEL_DTYPES, onednn_runs
 
 ONEDNN_UNTRACEABLE = ("compile", "compile+cudagraph")  # oneDNN's packed tensor is opaque
@@ -80,18 +82,21 @@ class DecodePlan:
         return asdict(self)
 
 
-def resolve_plan(config: EngineConfig, arch: ModelArch, gguf: Path | None = None) -> DecodePlan:
+def resolve_plan(config: EngineConfig, arch: ModelArch, gguf: Path | None = None,
+                 scheme: Scheme | None = None) -> DecodePlan:
     """The plan for this config (dtype already resolved) and model (gguf: the GGUF file it
-    was converted from, or None). Raises ValueError where the config names a path that
-    cannot take the model (decode_mode layers on Qwen3, quantization gguf on a folder)."""
+    was converted from, or None; scheme: a compressed-tensors checkpoint's, or None). Raises
+    ValueError where the config names a path that cannot take the model (decode_mode layers
+    on Qwen3, quantization gguf on a folder)."""
     device = torch.device(config.device).type
     library = device == "cpu" and cpu.load()
     mode, why_mode = _mode(config, arch, device, library)
-    weights, why_weights = _weights(config, device, library, mode, gguf)
+    weights, why_weights = _weights(config, device, library, mode, gguf, scheme)
     attention = ("triton" if config.use_triton("attention")
                  else "cpu" if library else "torch")
     draw = "triton" if config.use_triton("sampler") else "cpu" if library else "torch"
-    dense_above = DENSE_ABOVE if weights == "gguf" and config.dtype == "bfloat16" else 0
+    dense_above = (DENSE_ABOVE if weights in ("gguf", "compressed-tensors")
+                   and config.dtype == "bfloat16" and device == "cpu" else 0)
     return DecodePlan(mode, weights, attention, draw, why_mode, why_weights, dense_above)
 
 
@@ -143,31 +148,45 @@ def _mode(config: EngineConfig, arch: ModelArch, device: str,
     return LAYERS_FALLBACK, f"auto; layers does not take {refusal}"
 
 
-def _quantized(config: EngineConfig, device: str, library: bool,
-               gguf: Path | None) -> tuple[str, str] | None:
-    """The quantized weights form and why, or None for dense weights."""
+def _quantized(config: EngineConfig, device: str, library: bool, gguf: Path | None,
+               scheme: Scheme | None) -> tuple[str, str] | None:
+    """The quantized weights form and why, or None for dense weights (a compressed
+    checkpoint's dequantized where its codes do not run)."""
     asked = config.quantization
-    runs = device == "cpu" and library and config.torch_dtype in PANEL_DTYPES
-    if asked == "none" or (asked == "auto" and not (GGUF_BY_DEFAULT and gguf and runs)):
+    on_cpu = device == "cpu" and library and config.torch_dtype in PANEL_DTYPES
+    # CUDA runs the Triton w4a16 / w8a16 matmul when asked; auto keeps the dense weights
+    # there until bench/gpu_check.sh has measured it on a GPU
+    runs = on_cpu or device == "cuda"
+    if asked == "auto" and scheme is not None and on_cpu:
+        return "compressed-tensors", f"auto: the checkpoint's {scheme.describe()}"
+    if asked == "none" or (asked == "auto" and not (GGUF_BY_DEFAULT and gguf and on_cpu)):
         return None
     if asked == "auto":
         return "gguf", f"auto: {gguf.name}'s own blocks"
     if asked == "gguf" and gguf is None:
         raise ValueError(f"quantization 'gguf' needs a GGUF model (--model FILE.gguf, or the "
                          f"embedded default); {config.model} is a checkpoint folder")
+    if asked == "compressed-tensors" and scheme is None:
+        raise ValueError(f"quantization 'compressed-tensors' needs a checkpoint whose "
+                         f"config.json has a compressed-tensors quantization_config; "
+                         f"{config.model} has none")
     if not runs:
-        raise ValueError(f"quantization {asked!r} runs on the CPU with the C++ library in "
-                         f"float32 or bfloat16; here: {device}, {config.dtype}, library "
-                         f"{'loaded' if library else 'unavailable'}")
+        raise ValueError(f"quantization {asked!r} runs on CUDA (Triton), or on the CPU with "
+                         f"the C++ library in float32 or bfloat16; here: {device}, "
+                         f"{config.dtype}, library {'loaded' if library else 'unavailable'}")
     if asked == "gguf":
         return "gguf", f"{gguf.name}'s own blocks"
-    return asked, ("quantized at load: groups of 32, scale and offset" if asked == "int4"
-                   else "quantized at load: per channel, symmetric")
+    if asked == "compressed-tensors":
+        return asked, f"the checkpoint's {scheme.describe()}"
+    if asked.startswith("int4"):
+        group = asked.partition("-g")[2] or "32"
+        return asked, f"quantized at load: groups of {group}, scale and offset"
+    return asked, "quantized at load: per channel, symmetric"
 
 
 def _weights(config: EngineConfig, device: str, library: bool, mode: str,
-             gguf: Path | None) -> tuple[str, str]:
-    quantized = _quantized(config, device, library, gguf)
+             gguf: Path | None, scheme: Scheme | None) -> tuple[str, str]:
+    quantized = _quantized(config, device, library, gguf, scheme)
     if quantized is not None:
         return quantized
     if device != "cpu":

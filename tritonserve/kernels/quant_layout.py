@@ -109,22 +109,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, n: int,
     return out if bias is None else out + bias.float()
 
 
-def quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
-    """A dense weight [N, K] (K a multiple of 32) -> packed panels. u4 (int4): per group of 32,
-    scale d = (max - min) / 15 and offset m = min (GGUF Q4_1's scheme), q = round((w - m) / d);
-    s8 (int8): per output row, symmetric, d = max |w| / 127, q = round(w / d). Scales are
-    rounded to fp16 first and the codes computed against the stored scales."""
+def quantize(weight: torch.Tensor, kind: str, group: int = GROUP) -> torch.Tensor:
+    """A dense weight [N, K] (K a multiple of `group`, itself a multiple of 32) -> packed
+    panels. u4 (int4): per group of `group` k (32, 64, 128), scale d = (max - min) / 15 and
+    offset m = min (GGUF Q4_1's scheme), q = round((w - m) / d), each record of 32 k holding
+    its group's d and m (the bytes of groups of 32 either way: larger groups only match a
+    checkpoint's scheme); s8 (int8): per output row, symmetric, d = max |w| / 127,
+    q = round(w / d). Scales are rounded to fp16 first and the codes computed against the
+    stored scales."""
     n, k = weight.shape
-    if k % GROUP:
-        raise ValueError(f"quantize: the row length {k} is not a multiple of {GROUP}")
-    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    if group % GROUP or k % group:
+        raise ValueError(f"quantize: the row length {k} is not a multiple of the group "
+                         f"{group}, or the group not a multiple of {GROUP}")
+    w = weight.detach().float().reshape(n, k // group, group)
     if kind == "u4":
         lo, hi = w.amin(dim=2), w.amax(dim=2)
         d = ((hi - lo) / 15).half().float()
         m = lo.half().float()
         safe = torch.where(d > 0, d, torch.ones_like(d))
         q = torch.round((w - m.unsqueeze(2)) / safe.unsqueeze(2)).clamp(0, 15)
-        return pack(kind, d, q.reshape(n, k).to(torch.int16), m)
+        wide = group // GROUP
+        return pack(kind, d.repeat_interleave(wide, dim=1), q.reshape(n, k).to(torch.int16),
+                    m.repeat_interleave(wide, dim=1))
     if kind == "s8":
         amax = w.abs().amax(dim=(1, 2))
         d = (amax / 127).half().float()

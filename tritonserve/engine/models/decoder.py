@@ -13,6 +13,7 @@ from torch import nn
 
 from tritonserve.kernels import cpu, quant_layout
 
+from .. import huge_pages
 from ..attention import AttentionBackend, AttentionMetadata
 from . import ops
 from .arch import ModelArch, rope_inv_freq
@@ -169,35 +170,38 @@ class DecoderForCausalLM(nn.Module):
         if self.arch.tie_word_embeddings and self.packed_tied_lm_head is None:
             self.packed_tied_lm_head = pack(self.embed_tokens.weight, form, batch_hint)
 
-    def quantize_weights(self, kind: str) -> None:
-        """Every projection quantized at load into `kind` (u4: int4, groups of 32, scale and
-        offset; s8: int8 per channel; kernels/quant_layout.py) where its row length is a
-        multiple of 32; the lm_head in s8 either way (a 4-bit output layer costs the most
-        accuracy: llama.cpp keeps it at Q6_K / Q8_0 too)."""
+    def quantize_weights(self, kind: str, group: int = quant_layout.GROUP) -> None:
+        """Every projection quantized at load into `kind` (u4: int4, groups of `group`, scale
+        and offset; s8: int8 per channel; kernels/quant_layout.py) where its row length is a
+        multiple of the group; the lm_head in s8 either way (a 4-bit output layer costs the
+        most accuracy: llama.cpp keeps it at Q6_K / Q8_0 too)."""
         for layer in self.layers:
             for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                          layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                if weight_form(proj.weight) == "plain" and proj.in_features % 32 == 0:
-                    proj.weight = nn.Parameter(quant_layout.quantize(proj.weight, kind),
-                                               requires_grad=False)
+                if weight_form(proj.weight) == "plain" and proj.in_features % group == 0:
+                    proj.weight = nn.Parameter(quant_layout.quantize(
+                        proj.weight, kind, group).to(proj.weight.device), requires_grad=False)
+        table = self.embed_tokens.weight
         if self.arch.hidden_size % 32 == 0:
             if self.arch.tie_word_embeddings:
-                self.packed_tied_lm_head = quant_layout.quantize(self.embed_tokens.weight, "s8")
+                self.packed_tied_lm_head = quant_layout.quantize(table, "s8").to(table.device)
             else:
-                self.lm_head.weight = nn.Parameter(
-                    quant_layout.quantize(self.lm_head.weight, "s8"), requires_grad=False)
+                self.lm_head.weight = nn.Parameter(quant_layout.quantize(
+                    self.lm_head.weight, "s8").to(table.device), requires_grad=False)
 
     def load_quantized(self, tensors: dict) -> None:
         """The projections (and the lm_head) as quantized panels in place of the dense
         weights: tensors by Hugging Face name (engine/models/gguf.py's read_quantized). q, k, v
         and gate, up are stacked into the fused weights; a layer whose parts differ in kind
         keeps its dense weights. The embedding stays dense for the lookup."""
+        device = self.embed_tokens.weight.device
+
         def use(proj: Linear, names: list[str]) -> None:
             parts = [tensors.get(n) for n in names]
             if all(p is not None for p in parts):
                 packed = fuse_rows(parts)
                 if packed is not None:
-                    proj.weight = nn.Parameter(packed, requires_grad=False)
+                    proj.weight = nn.Parameter(packed.to(device), requires_grad=False)
 
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -209,9 +213,23 @@ class DecoderForCausalLM(nn.Module):
         if self.arch.tie_word_embeddings:
             head = tensors.get("model.embed_tokens.weight")
             if head is not None:
-                self.packed_tied_lm_head = head.packed
+                self.packed_tied_lm_head = head.packed.to(device)
         else:
             use(self.lm_head, ["lm_head.weight"])
+
+    def gather_streamed_weights(self) -> None:
+        """The packed weights a decode step streams (projections in panels or quantized
+        panels, the packed tied lm_head) moved into one buffer on huge pages
+        (engine/huge_pages.py); plain and oneDNN weights stay where they are."""
+        owners = [(m, "weight") for m in self.modules()
+                  if isinstance(m, Linear) and weight_form(m.weight) in ("panels", "quant")]
+        head = self.packed_tied_lm_head
+        if head is not None and weight_form(head) in ("panels", "quant"):
+            owners.append((self, "packed_tied_lm_head"))
+        views = huge_pages.gather([getattr(owner, name) for owner, name in owners])
+        for (owner, name), view in zip(owners, views):
+            setattr(owner, name,
+                    nn.Parameter(view, requires_grad=False) if name == "weight" else view)
 
     def decode_layers(self, block_size: int):
         """The C++ op that runs this model's whole layer stack for a decode step

@@ -36,9 +36,10 @@ class GGUFError(ValueError):
 
 @dataclass(frozen=True)
 class QuantTensor:
-    """One weight [N, K]: its GGML type, the packing kind and the packed panels."""
+    """One weight [N, K]: its source type (a GGML type, or a compressed-tensors scheme's
+    W4A16 / W8A16), the packing kind and the packed panels."""
 
-    ggml_type: str
+    type_name: str
     kind: str
     packed: torch.Tensor
     shape: tuple[int, int]
@@ -121,8 +122,8 @@ def fuse_rows(parts: list[QuantTensor]) -> torch.Tensor | None:
 
 
 def types_of(tensors: dict[str, QuantTensor]) -> str:
-    """The GGML types served, with how many tensors each: 'Q4_1 x210, Q8_0 x1'."""
+    """The source types served, with how many tensors each: 'Q4_1 x210, Q8_0 x1'."""
     counts: dict[str, int] = {}
     for t in tensors.values():
-        counts[t.ggml_type] = counts.get(t.ggml_type, 0) + 1
+        counts[t.type_name] = counts.get(t.type_name, 0) + 1
     return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))

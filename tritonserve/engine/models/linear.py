@@ -9,8 +9,9 @@ A weight is used in one of five forms, `weight_form(weight)` tells which:
   AVX512-BF16, 1.2-1.4x oneDNN-prepacked at batch 1, 10-25 % faster to 64 rows, even from 128
   to 2048: docs/perf-log/2026-cpu-decode.md);
 - quant: weight-only quantized panels, uint8 (kernels/quant_layout.py: a GGUF file's Q4_0 /
-  Q4_1 / Q8_0 blocks as they are), for kernels/cpu/linear_quant.cpp in fp32 or bf16; loaded
-  already packed (engine/models/gguf.py), never packed from a dense weight here;
+  Q4_1 / Q8_0 blocks as they are), for kernels/cpu/linear_quant.cpp in fp32 or bf16 and
+  kernels/triton/quant_matmul.py on CUDA; loaded already packed (engine/models/gguf.py,
+  compressed.py) or quantized at load (decoder.quantize_weights), never packed here;
 - silu panels: an MLP's gate/up as bf16 panels with its rows interleaved 16 / 16, the
   activation in the matmul's epilogue (`Linear.fuse_silu`): [M, K] -> silu(gate) * up [M, I].
 Panels against oneDNN-prepacked on an AVX2 EPYC (2 threads), SmolLM2's 121 decode matmuls with
@@ -24,7 +25,7 @@ from torch import nn
 
 from tritonserve.kernels import cpu, quant_layout
 
-from .ops import onednn_runs, plain_linear
+from .ops import onednn_runs, plain_linear, quant_linear
 
 PANEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -68,9 +69,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if out_features is None:
         raise ValueError("linear: out_features is required with a panel-packed weight")
-    if form == "quant":
-        return torch.ops.tritonserve.packed_linear_quant(x.contiguous(), weight, out_features,
-                                                         bias)
+    if form == "quant":  # C++ on the CPU, Triton on CUDA (ops.QuantLinear)
+        return quant_linear(x, weight, out_features, bias)
     # a weight in panels means the library is loaded: the op itself (a compiled graph calls
     # it as it is), fp32 panels 3-D, bf16 4-D
     product = (torch.ops.tritonserve.packed_linear_bf16 if weight.dim() == 4

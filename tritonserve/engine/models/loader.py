@@ -78,31 +78,46 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def load_weights(model: DecoderForCausalLM, folder: str | Path) -> None:
+def load_weights(model: DecoderForCausalLM, folder: str | Path,
+                 substitute: dict[str, torch.Tensor] | None = None) -> None:
+    """substitute: tensors by name filled in place of the checkpoint's (a compressed-tensors
+    checkpoint's projections dequantized: engine/models/compressed.py), whose compressed
+    parts (weight_packed, weight_scale, ...) are then not unexpected."""
     folder = Path(folder)
     slots = checkpoint_slots(model)
     loaded: set[str] = set()
     unexpected: list[str] = []
     mis_shaped: list[str] = []
+    substitute = substitute or {}
+    prefixes = {name.rpartition(".")[0] for name in substitute}
+
+    def put(name: str, tensor) -> None:
+        slot = slots.get(name)
+        if slot is None:
+            unexpected.append(name)
+            return
+        expected = (slot.rows, *slot.param.shape[1:])
+        if tuple(tensor.shape) != expected:
+            mis_shaped.append(f"{name}: checkpoint {tuple(tensor.shape)}, model {expected}")
+            return
+        slot.param[slot.start:slot.start + slot.rows].copy_(tensor)
+        loaded.add(name)
+
+    for name, tensor in substitute.items():
+        put(name, tensor)
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
+                if name.endswith(_IGNORED_SUFFIXES) or name in substitute:
                     continue
+                if name.rpartition(".")[0] in prefixes:
+                    continue  # a substituted weight's compressed parts
                 if name == "lm_head.weight" and model.arch.tie_word_embeddings:
                     continue  # tied: the embedding is the head
-                slot = slots.get(name)
-                if slot is None:
+                if name not in slots:
                     unexpected.append(name)
                     continue
-                tensor = f.get_tensor(name)
-                expected = (slot.rows, *slot.param.shape[1:])
-                if tuple(tensor.shape) != expected:
-                    mis_shaped.append(f"{name}: checkpoint {tuple(tensor.shape)}, "
-                                      f"model {expected}")
-                    continue
-                slot.param[slot.start:slot.start + slot.rows].copy_(tensor)
-                loaded.add(name)
+                put(name, f.get_tensor(name))
     missing = sorted(set(slots) - loaded - {s.split(':')[0] for s in mis_shaped})
     problems = []
     if missing:
@@ -133,7 +148,8 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int = 0) -> None:
 
 def build_model(arch: ModelArch, folder: str | Path | None, dtype: torch.dtype,
                 device: torch.device, max_positions: int, dummy: bool = False,
-                seed: int = 0) -> DecoderForCausalLM:
+                seed: int = 0, substitute: dict[str, torch.Tensor] | None = None
+                ) -> DecoderForCausalLM:
     """Built on the meta device (no memory, no random init), then each parameter allocated
     once, on the target device in the target dtype, and filled from the checkpoint one tensor
     at a time (cast and copied as it is read from its shard). Host memory peaks near the
@@ -149,5 +165,5 @@ def build_model(arch: ModelArch, folder: str | Path | None, dtype: torch.dtype,
     if dummy:
         init_dummy_weights(model, seed)
     else:
-        load_weights(model, folder)
+        load_weights(model, folder, substitute)
     return model.eval()

@@ -15,7 +15,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tritonserve.kernels import cpu, reference, triton as triton_kernels
+from tritonserve.kernels import cpu, quant_layout, reference, triton as triton_kernels
+from tritonserve.kernels.triton import quant_matmul
 
 
 class CustomOp:
@@ -130,7 +131,29 @@ class PlainLinear(CustomOp):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+class QuantLinear(CustomOp):
+    """x [M, K] @ a packed quantized weight^T (+ bias) -> [M, N] in x's dtype
+    (kernels/quant_layout.py): the C++ tiles on the CPU, the Triton w4a16 / w8a16 matmul on
+    CUDA, the dequantized reference elsewhere. A compiled graph calls the C++ op as it is
+    (it has a fake: kernels/cpu OPS), not the reference, which would dequantize every step."""
+
+    def __call__(self, x, weight, n, bias):
+        if x.device.type == "cpu":
+            return self.forward_cpu(x, weight, n, bias)
+        return super().__call__(x, weight, n, bias)
+
+    def forward_native(self, x, weight, n, bias):
+        return quant_layout.linear(x, weight, n, bias).to(x.dtype)
+
+    def forward_cpu(self, x, weight, n, bias):
+        return torch.ops.tritonserve.packed_linear_quant(x.contiguous(), weight, n, bias)
+
+    def forward_cuda(self, x, weight, n, bias):
+        return quant_matmul.quant_linear(x, weight, n, bias)
+
+
 add_rms_norm = AddRMSNorm()
 silu_and_mul = SiluAndMul()
 rope = Rope()
 plain_linear = PlainLinear()
+quant_linear = QuantLinear()
