@@ -4,6 +4,8 @@ dequantizers, and the C++ op (kernels/cpu/linear_quant.cpp) against the plain-to
 reference, in fp32 and bf16, every row-tile size, a partial last panel and a bias."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -140,3 +142,40 @@ def test_quantize_is_close_and_its_codes_are_the_nearest():
         step = d.repeat_interleave(32, dim=1)
         assert ((back - w).abs() <= step * 0.5 + 2e-3).all(), kind
         assert ((back - w).abs() > step * 0.25).any(), kind  # it did round something
+
+
+def test_packed_blocks_are_kept_beside_the_conversion(tmp_path, monkeypatch):
+    """read_quantized_cached: the first call parses and keeps the packed panels in the folder
+    (not as *.safetensors, which the loader would read as weights); the next maps them back
+    without parsing; a changed file (mtime) is parsed again."""
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(0)
+    for name, qtype in (("blk.0.ffn_down.weight", "Q4_1"), ("blk.0.ffn_up.weight", "Q8_0")):
+        data = rng.standard_normal((32, 64)).astype(np.float32)
+        qt = getattr(gguf.GGMLQuantizationType, qtype)
+        raw = gguf.quants.quantize(data, qt)
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    first = gguf_weights.read_quantized_cached(path, 2, 1, folder)
+    assert [p.name for p in folder.iterdir()] == [gguf_weights.PACKED]
+    parsed = []
+    real = gguf_weights.read_quantized
+    monkeypatch.setattr(gguf_weights, "read_quantized",
+                        lambda *a: parsed.append(a) or real(*a))
+    again = gguf_weights.read_quantized_cached(path, 2, 1, folder)
+    assert parsed == [] and set(again) == set(first) == {"model.layers.0.mlp.down_proj.weight",
+                                                         "model.layers.0.mlp.up_proj.weight"}
+    for name, t in first.items():
+        assert torch.equal(again[name].packed, t.packed)
+        assert (again[name].type_name, again[name].kind, again[name].shape) == \
+            (t.type_name, t.kind, t.shape)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    gguf_weights.read_quantized_cached(path, 2, 1, folder)
+    assert len(parsed) == 1

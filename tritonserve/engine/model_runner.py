@@ -17,7 +17,7 @@ from .decode_graphs import DecodeGraphs, bucket_sizes
 from .memory import DeviceMemory
 from .models import ForwardContext, ModelArch, build_model
 from .models.compressed import read_compressed, scheme_of
-from .models.gguf import read_quantized, types_of
+from .models.gguf import read_quantized_cached, types_of
 from .models.linear import has_form
 from .plan import resolve_plan
 from .request import Request
@@ -73,7 +73,7 @@ class ModelRunner:
             self.dense_model.prepack_weights("panels", config.scheduler.max_num_seqs)
             self.dense_model.gather_streamed_weights()
         if form == "gguf":
-            tensors = read_quantized(gguf, arch.num_heads, arch.num_kv_heads)
+            tensors = read_quantized_cached(gguf, arch.num_heads, arch.num_kv_heads, folder)
             self.model.load_quantized(tensors)
             log.info("quantized weights from %s: %s", gguf.name, types_of(tensors))
         elif form == "compressed-tensors":

@@ -9,10 +9,16 @@ back to Q5_0 / Q8_0 for such tensors); a file with them, or any other type, is r
 its name (`--quantization none` serves the dequantized conversion instead).
 The q and k projections are stored permuted for llama.cpp's interleaved rope; their rows are
 put back as transformers' GGUF loader does (LlamaTensorProcessor._reverse_permute_weights).
+Parsing and packing the embedded file takes ~3 s, every engine start: `read_quantized_cached`
+keeps the packed panels in the converted folder (PACKED, keyed by the file's size and mtime
+and the layout's PACKED_VERSION) and maps them back in a fraction of that.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +115,49 @@ def read_quantized(path: str | Path, num_heads: int, num_kv_heads: int
         kind = SERVED[type_name][0]
         out[name] = QuantTensor(type_name, kind, quant_layout.pack(kind, d, q, m), (n, k))
     return out
+
+
+# safetensors inside, not named *.safetensors: the loader reads every such file of the folder
+PACKED = "gguf-blocks.packed"
+PACKED_VERSION = "1"  # raise when quant_layout's bytes or parse_blocks' output change
+
+
+def _file_key(path: Path) -> str:
+    stat = path.stat()
+    return f"{PACKED_VERSION}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def read_quantized_cached(path: str | Path, num_heads: int, num_kv_heads: int,
+                          folder: Path | None) -> dict[str, QuantTensor]:
+    """read_quantized, kept in `folder` (the file's converted folder; None: not kept): a later
+    call for the same file (size, mtime) and layout version maps the packed panels back."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    cached = folder / PACKED if folder is not None else None
+    if cached is not None and cached.exists():
+        with safe_open(str(cached), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("key") == _file_key(path):
+                info = json.loads(meta["tensors"])
+                return {name: QuantTensor(t, kind, f.get_tensor(name), tuple(shape))
+                        for name, (t, kind, shape) in info.items()}
+    tensors = read_quantized(path, num_heads, num_kv_heads)
+    if cached is not None:
+        tmp = None
+        try:  # written beside, renamed into place: a reader never sees half a file
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".packed-")
+            os.close(fd)
+            os.chmod(tmp, 0o644)  # as the folder's other files
+            info = {n: (t.type_name, t.kind, list(t.shape)) for n, t in tensors.items()}
+            save_file({n: t.packed for n, t in tensors.items()}, tmp,
+                      metadata={"key": _file_key(path), "tensors": json.dumps(info)})
+            os.replace(tmp, cached)
+        except OSError:  # a read-only cache: parse each time
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+    return tensors
 
 
 def fuse_rows(parts: list[QuantTensor]) -> torch.Tensor | None:

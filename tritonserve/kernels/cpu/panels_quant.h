@@ -41,6 +41,8 @@ constexpr int kRows = 8;  // rows a register tile: 8 group sums + 8 totals
 constexpr int64_t kAhead = 8;
 // Up to this many rows a tile keeps two chains of sums a row (even and odd k pairs): one chain
 // of a group's 16 dependent vdpbf16ps (or 32 FMAs) a row left batch 1 waiting on latency.
+// One row keeps four in the bf16 tile: SmolLM2's 120 Q4_1 layer matmuls on huge pages
+// (2 threads, Zen 4) 2.09 -> 1.85 ms a pass, 31.7 -> 36 GB/s.
 constexpr int kSplit = 4;
 
 enum class Kind { kU4, kS8 };

@@ -105,19 +105,19 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G
       d = _mm512_castsi512_ps(pairs[16]), m = _mm512_castsi512_ps(pairs[17]);
     }
     const uint16_t* xg = x + g * kGroup;
-    __m512 acc[R], acc1[R];
-    __m512(&odd)[R] = R <= kSplit ? acc1 : acc;
-    for (int r = 0; r < R; ++r) acc[r] = acc1[r] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int j = 0; j < 16; j += 2) {
-      const __m512i pair = pairs[j], next = pairs[j + 1];
-      for (int r = 0; r < R; ++r) dp_row(acc[r], pair, xg + r * ldx + 2 * j);
-      for (int r = 0; r < R; ++r) dp_row(odd[r], next, xg + r * ldx + 2 * j + 2);
-    }
-    if constexpr (R <= kSplit)
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], acc1[r]);
+    // C chains of sums a row, pair j on chain j % C, summed at the group's end
+    constexpr int C = R == 1 ? 4 : R <= kSplit ? 2 : 1;
+    __m512 acc[C][R];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j += C)
+      for (int c = 0; c < C; ++c)
+        for (int r = 0; r < R; ++r) dp_row(acc[c][r], pairs[j + c], xg + r * ldx + 2 * (j + c));
+    for (int c = 1; c < C; ++c)
+      for (int r = 0; r < R; ++r) acc[0][r] = _mm512_add_ps(acc[0][r], acc[c][r]);
     for (int r = 0; r < R; ++r) {
-      tot[r] = _mm512_fmadd_ps(d, acc[r], tot[r]);
+      tot[r] = _mm512_fmadd_ps(d, acc[0][r], tot[r]);
       if constexpr (kind == Kind::kU4)
         tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), tot[r]);
     }
