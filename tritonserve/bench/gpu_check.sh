@@ -38,6 +38,13 @@ fi
 echo "== kernel tests ($where)"
 timeout 240 "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 \
   | tee "$out/kernel_tests.log" | tail -3
+echo "== tensor parallel"
+if [ "${1:-}" != "--dry-run" ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  timeout 180 "$py" -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py \
+    -k two_ranks 2>&1 | tee "$out/tp.log" | tail -3
+else
+  echo "tensor parallel tp=2: skipped: one GPU" | tee "$out/tp.log"
+fi
 echo "== kernel microbenchmarks"
 timeout 120 "$py" -m tritonserve.bench kernels "${kernel_args[@]}" --json "$out/kernels.json" 2>&1 \
   | tee "$out/kernels.txt"
@@ -50,6 +57,10 @@ timeout 300 "$py" -m tritonserve.bench engine-check "${engine_args[@]}" --json "
   echo "## Kernel tests"
   echo '```'
   tail -3 "$out/kernel_tests.log"
+  echo '```'
+  echo "## Tensor parallel (tp=2, NCCL)"
+  echo '```'
+  tail -3 "$out/tp.log"
   echo '```'
   echo "## Kernel microbenchmarks"
   echo '```'

@@ -83,6 +83,9 @@ class EngineConfig:
     # batch sizes a non-eager decode mode builds (vLLM's cudagraph capture sizes); empty:
     # 1, 2, 4, then every multiple of 8 up to max_num_seqs. Larger decode steps run eager.
     decode_buckets: tuple[int, ...] = ()
+    # ranks a model is split across (engine/parallel.py): column-parallel qkv and gate/up,
+    # row-parallel o and down, the KV heads and cache per rank; gloo on the CPU, NCCL on CUDA
+    tensor_parallel_size: int = 1
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -114,6 +117,11 @@ class EngineConfig:
         if bad:
             raise ValueError(f"decode_buckets must be batch sizes in [1, max_num_seqs "
                              f"{self.scheduler.max_num_seqs}], got {bad}")
+        if (isinstance(self.tensor_parallel_size, bool)
+                or not isinstance(self.tensor_parallel_size, int)
+                or self.tensor_parallel_size < 1):
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got "
+                             f"{self.tensor_parallel_size!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
                              f"{self.quantization!r}")

@@ -26,7 +26,6 @@ from .errors import EngineDeadError, InvalidRequestError
 from .kv_cache import KVCacheManager
 from .memory import (num_cache_blocks, profiled_cache_blocks, profiles_cache,
                      resolve_max_model_len)
-from .model_runner import ModelRunner
 from .models import ModelArch
 from .outputs import (Completion, FinishReason, GenerationStep, RequestTiming, TokenOutput)
 from .request import Request
@@ -34,6 +33,7 @@ from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .structured import Grammars
+from .tp_runner import make_runner
 
 log = logging.getLogger("tritonserve.engine")
 
@@ -41,20 +41,27 @@ MAX_FAILED_STEPS = 3  # forward passes failing in a row before the engine declar
 PROMPT_DETOKENIZE_CONTEXT = 5  # prompt tokens the detokenizer sees before the output (as vLLM)
 
 
+def resolved(config: EngineConfig) -> tuple[Path, ModelArch, EngineConfig, int]:
+    """(model folder, arch, the config with its dtype resolved, RoPE positions): what every
+    tensor-parallel rank derives alike from the same config."""
+    model_path = resolve_model(config.model)
+    arch = ModelArch.from_folder(model_path)
+    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, arch.torch_dtype,
+                                                             config.device))
+    return model_path, arch, config, config.scheduler.max_model_len or \
+        arch.max_position_embeddings
+
+
 class LLMEngine:
     """Single-threaded: call it from one thread (server/async_engine.py hosts it)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.model_path = resolve_model(config.model)
-        self.arch = ModelArch.from_folder(self.model_path)
-        config = dataclasses.replace(config, dtype=resolve_dtype(
-            config.dtype, self.arch.torch_dtype, config.device))
+        self.model_path, self.arch, config, max_positions = resolved(config)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         # the CPU's cache is sized before the weights take memory, CUDA's after (profiled)
         num_blocks = None if profiles_cache(config) else num_cache_blocks(config, self.arch)
-        max_positions = config.scheduler.max_model_len or self.arch.max_position_embeddings
-        self.runner = ModelRunner(config, self.arch, self.model_path, max_positions,
+        self.runner = make_runner(config, self.arch, self.model_path, max_positions,
                                   gguf_source(self.model_path))
         if num_blocks is None:
             peak = self.runner.profile_peak_bytes(max_positions)
@@ -156,6 +163,20 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Queued; applied at the start of the next step, which reports it as `abort`."""
         self._pending_aborts.append(request_id)
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when the engine cannot step any more while it idles (a
+        tensor-parallel worker gone: engine/tp_runner.py)."""
+        try:
+            self.runner.check_health()
+        except Exception as exc:  # noqa: BLE001 - any reason is the engine's death
+            raise EngineDeadError(f"{type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        """Stops what the engine started beside this process (tensor-parallel workers)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def abort_all(self) -> list[GenerationStep]:
         """End every request now (after an engine failure); returns their abort steps."""

@@ -19,6 +19,7 @@ from .models import ForwardContext, ModelArch, build_model
 from .models.compressed import read_compressed, scheme_of
 from .models.gguf import read_quantized_cached, types_of
 from .models.linear import has_form
+from .parallel import Shard
 from .plan import resolve_plan
 from .request import Request
 from .sampler import SampledToken, Sampler
@@ -45,10 +46,11 @@ class ModelRunner:
     are loaded (CUDA): __init__ loads the model; allocate() makes the KV cache and sampler."""
 
     def __init__(self, config: EngineConfig, arch: ModelArch, folder: Path | None,
-                 max_positions: int, gguf: Path | None = None) -> None:
+                 max_positions: int, gguf: Path | None = None, shard: Shard = Shard()) -> None:
         """max_positions: the longest max_model_len this engine may resolve (RoPE table);
         gguf: the GGUF file the folder was converted from (its blocks serve where the plan's
-        weights say gguf)."""
+        weights say gguf); shard: a tensor-parallel rank's place (arch is then the rank's
+        share, parallel.local_arch; engine/tp_runner.py runs the ranks)."""
         self.config = config
         self.arch = arch
         self.device = torch.device(config.device)
@@ -61,8 +63,10 @@ class ModelRunner:
                          and config.load_format != "dummy" else (None, None))
         self.model = build_model(arch, folder, config.torch_dtype, self.device, max_positions,
                                  dummy=config.load_format == "dummy", seed=config.seed,
-                                 substitute=dense)
+                                 substitute=dense, shard=shard)
         del dense
+        if shard.size > 1:
+            self.model.reduce_row_parallel(shard.all_reduce)
         form = self.plan.weights
         # the dense panels beside quantized weights (plan.dense_above): a copy made before
         # the quantized weights replace the projections, sharing the embedding table
@@ -195,11 +199,27 @@ class ModelRunner:
         return (isinstance(exc, accelerator_error) or "CUDA error" in text
                 or "device-side assert" in text)
 
+    def check_health(self) -> None:
+        """Raises when the runner cannot step any more (a tensor-parallel worker gone); one
+        process has nothing to check."""
+
     @torch.inference_mode()
     def execute(self, schedule: SchedulerOutput) -> dict[str, SampledToken]:
         # the record_function ranges name the phases in `bench profile` (no cost otherwise)
         with record_function("prepare"):
             model_input = self.prepare(schedule.scheduled)
+        return self.run(model_input)
+
+    @torch.inference_mode()
+    def forward_only(self, model_input: ModelInput) -> None:
+        """A tensor-parallel worker's step: the forward (its all-reduces meet rank 0's), no
+        logits, no sampling."""
+        self._forward(model_input, ForwardContext(model_input.meta, self.kv_caches,
+                                                  self.backend))
+
+    @torch.inference_mode()
+    def run(self, model_input: ModelInput) -> dict[str, SampledToken]:
+        """The forward, the sampled rows' logits and the draw of a prepared step."""
         ctx = ForwardContext(model_input.meta, self.kv_caches, self.backend)
         masks = self.sampler.start_masks(model_input.sample_requests)  # overlaps the forward
         with record_function("forward"):

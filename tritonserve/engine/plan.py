@@ -125,6 +125,12 @@ def layers_refusal(config: EngineConfig, arch: ModelArch, library: bool) -> str 
 def _mode(config: EngineConfig, arch: ModelArch, device: str,
           library: bool) -> tuple[str, str]:
     asked = config.decode_mode
+    tp = config.tensor_parallel_size
+    if tp > 1:  # engine/parallel.py: an all-reduce after o and after down
+        if asked not in ("auto", "eager"):
+            raise ValueError(f"decode_mode {asked!r} with tensor_parallel_size {tp}: the "
+                             f"layers op and the graphs take no all-reduce; tp runs eager")
+        return "eager", f"tensor_parallel_size {tp}: the layers op takes no all-reduce"
     if asked == "layers":
         refusal = layers_refusal(config, arch, library)
         if refusal is not None:
@@ -153,10 +159,14 @@ def _quantized(config: EngineConfig, device: str, library: bool, gguf: Path | No
     """The quantized weights form and why, or None for dense weights (a compressed
     checkpoint's dequantized where its codes do not run)."""
     asked = config.quantization
-    on_cpu = device == "cpu" and library and config.torch_dtype in PANEL_DTYPES
+    tp = config.tensor_parallel_size
+    if tp > 1 and asked not in ("auto", "none"):
+        raise ValueError(f"quantization {asked!r} with tensor_parallel_size {tp}: quantized "
+                         f"weights are not split by rank yet; use none")
+    on_cpu = device == "cpu" and library and config.torch_dtype in PANEL_DTYPES and tp == 1
     # CUDA runs the Triton w4a16 / w8a16 matmul when asked; auto keeps the dense weights
     # there until bench/gpu_check.sh has measured it on a GPU
-    runs = on_cpu or device == "cuda"
+    runs = on_cpu or (device == "cuda" and tp == 1)
     if asked == "auto" and scheme is not None and on_cpu:
         return "compressed-tensors", f"auto: the checkpoint's {scheme.describe()}"
     if asked == "none" or (asked == "auto" and not (GGUF_BY_DEFAULT and gguf and on_cpu)):

@@ -14,6 +14,7 @@ from dataclasses import fields
 from aiohttp import web
 
 from tritonserve.engine import LLMEngine
+from tritonserve.engine.tp_runner import serve_rank
 from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, QUANTIZATIONS,
                                        CacheConfig, EngineConfig, SchedulerConfig)
 from tritonserve.engine.llm import build_config
@@ -63,8 +64,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "dummy"])
     p.add_argument("--quantization", "-q", default=e.quantization, choices=QUANTIZATIONS,
                    help="gguf: a GGUF model's quantized blocks as they are (Q4_0, Q4_1, "
-                   "Q8_0); none: its dense conversion; auto: gguf for a GGUF model on the "
-                   "CPU with the C++ library")
+                   "Q8_0); compressed-tensors: a W4A16 / W8A16 checkpoint's codes; int4 "
+                   "(-g64, -g128) / int8: quantized at load; none: dense weights; auto: a "
+                   "GGUF model's blocks or a compressed checkpoint's codes on the CPU with "
+                   "the C++ library")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=e.tensor_parallel_size,
+                   help="ranks the model is split across (gloo on the CPU, NCCL on CUDA); "
+                   "under torchrun the ranks are its processes (RANK > 0 runs a worker)")
     p.add_argument("--decode-mode", default=e.decode_mode, choices=CLI_DECODE_MODES,
                    help="decode steps: auto (CUDA graphs on CUDA; on the CPU the layer stack as "
                    "one C++ op in fp32 and bf16, torch.compile where that op does not take the "
@@ -106,7 +112,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    return LLMEngine(build_config(
+    return LLMEngine(engine_config(args))
+
+
+def engine_config(args: argparse.Namespace):
+    return (build_config(
         args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         num_blocks=args.num_blocks, cache_bytes=None if args.num_blocks else args.cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -114,7 +124,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, sampler_backend=args.sampler_backend,
         load_format=args.load_format, quantization=args.quantization,
-        decode_mode=args.decode_mode,
+        decode_mode=args.decode_mode, tensor_parallel_size=args.tensor_parallel_size,
         decode_buckets=args.decode_buckets, seed=args.seed))
 
 
@@ -144,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     the engine died (every stream has its error event by then), 2 for a bad option."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank > 0 and args.tensor_parallel_size > 1:  # torchrun's other ranks: workers
+        return serve_rank(engine_config(args), rank)
     try:
         config = server_config(args)
         engine = build_engine(args)

@@ -185,6 +185,8 @@ class AsyncEngine:
         self.prompts.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
+        if self._thread is None or not self._thread.is_alive():  # not inside a step
+            self.engine.close()
 
     @property
     def num_active(self) -> int:
@@ -302,6 +304,10 @@ class AsyncEngine:
                 self._post([], failures[0], ended)
                 continue
             if not engine.has_unfinished_requests():
+                try:  # a part of the engine that died while it idled (a tp worker)
+                    engine.check_health()
+                except EngineDeadError as exc:
+                    return self._engine_died(exc)
                 self._wake.wait(timeout=0.5)  # a timeout keeps signals deliverable
                 self._wake.clear()
                 continue
@@ -311,16 +317,19 @@ class AsyncEngine:
                 self.slowest_step = max(self.slowest_step, time.monotonic() - started)
                 self.step_started = None
             except EngineDeadError as exc:
-                log.critical("the engine died: %s", exc)
-                self.dead = str(exc)
-                if self._loop is not None:
-                    self._loop.call_soon_threadsafe(self._die, exc.steps, str(exc))
-                return
+                return self._engine_died(exc)
             if self.dead is not None:  # the watchdog gave up on that step: nothing to post
                 return
             self.num_steps += 1
             self._take_stats()
             self._post(steps, None, [])
+
+    def _engine_died(self, exc: EngineDeadError) -> None:
+        """On the engine thread: dead from now on; the event loop ends the streams."""
+        log.critical("the engine died: %s", exc)
+        self.dead = str(exc)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._die, exc.steps, str(exc))
 
     def _take_stats(self) -> None:
         """On the engine thread, after admitting and after each step: one immutable

@@ -217,6 +217,14 @@ class DecoderForCausalLM(nn.Module):
         else:
             use(self.lm_head, ["lm_head.weight"])
 
+    def reduce_row_parallel(self, reduce) -> None:
+        """o and down sum their partial products over the tensor-parallel ranks with
+        `reduce` (engine/parallel.py); the checkpoint's biases of o / down, where a family has
+        them, would be added by every rank: none of the served ones has."""
+        for layer in self.layers:
+            layer.self_attn.o_proj.reduce = reduce
+            layer.mlp.down_proj.reduce = reduce
+
     def gather_streamed_weights(self) -> None:
         """The packed weights a decode step streams (projections in panels or quantized
         panels, the packed tied lm_head) moved into one buffer on huge pages

@@ -80,12 +80,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class Linear(nn.Linear):
     silu_in_matmul = False  # gate/up as silu panels: forward gives silu(gate) * up
+    # a row-parallel projection's sum over tensor-parallel ranks, in place (engine/parallel.py:
+    # Shard.all_reduce), or None
+    reduce = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.silu_in_matmul:
             return torch.ops.tritonserve.packed_linear_silu_mul_bf16(x.contiguous(),
                                                                      self.weight)
-        return linear(x, self.weight, self.bias, self.out_features)
+        y = linear(x, self.weight, self.bias, self.out_features)
+        if self.reduce is not None:
+            self.reduce(y)
+        return y
 
     def pack(self, form: str, batch_hint: int) -> None:
         """The weight in `form` in place of the plain one; a no-op once packed."""

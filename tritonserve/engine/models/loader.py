@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..parallel import Shard
 from .arch import ModelArch
 from .decoder import DecoderForCausalLM, RotaryEmbedding
 
@@ -26,11 +27,14 @@ class WeightLoadError(ValueError):
 
 @dataclass(frozen=True)
 class WeightSlot:
-    """Where one checkpoint tensor goes: rows [start, start + rows) of a parameter."""
+    """Where one checkpoint tensor goes: rows [start, start + rows) of a parameter; split:
+    the dim a tensor-parallel rank takes its share of (0 column-parallel, 1 row-parallel,
+    None replicated: engine/parallel.py)."""
 
     param: torch.nn.Parameter
     start: int
     rows: int
+    split: int | None = None
 
 
 def checkpoint_slots(model: DecoderForCausalLM) -> dict[str, WeightSlot]:
@@ -38,8 +42,8 @@ def checkpoint_slots(model: DecoderForCausalLM) -> dict[str, WeightSlot]:
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     slots: dict[str, WeightSlot] = {}
 
-    def whole(name: str, param: torch.nn.Parameter) -> None:
-        slots[name] = WeightSlot(param, 0, param.shape[0])
+    def whole(name: str, param: torch.nn.Parameter, split: int | None = None) -> None:
+        slots[name] = WeightSlot(param, 0, param.shape[0], split)
 
     whole("model.embed_tokens.weight", model.embed_tokens.weight)
     whole("model.norm.weight", model.norm.weight)
@@ -52,15 +56,15 @@ def checkpoint_slots(model: DecoderForCausalLM) -> dict[str, WeightSlot]:
         for suffix in suffixes:
             fused = getattr(attn.qkv_proj, suffix)
             for name, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
-                slots[f"{p}self_attn.{name}_proj.{suffix}"] = WeightSlot(fused, start, rows)
-        whole(f"{p}self_attn.o_proj.weight", attn.o_proj.weight)
+                slots[f"{p}self_attn.{name}_proj.{suffix}"] = WeightSlot(fused, start, rows, 0)
+        whole(f"{p}self_attn.o_proj.weight", attn.o_proj.weight, split=1)
         if arch.qk_norm:
             whole(f"{p}self_attn.q_norm.weight", attn.q_norm.weight)
             whole(f"{p}self_attn.k_norm.weight", attn.k_norm.weight)
         inter = arch.intermediate_size
-        slots[f"{p}mlp.gate_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, 0, inter)
-        slots[f"{p}mlp.up_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, inter, inter)
-        whole(f"{p}mlp.down_proj.weight", mlp.down_proj.weight)
+        slots[f"{p}mlp.gate_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, 0, inter, 0)
+        slots[f"{p}mlp.up_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, inter, inter, 0)
+        whole(f"{p}mlp.down_proj.weight", mlp.down_proj.weight, split=1)
         whole(f"{p}input_layernorm.weight", layer.input_layernorm.weight)
         whole(f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
     return slots
@@ -79,10 +83,13 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 @torch.no_grad()
 def load_weights(model: DecoderForCausalLM, folder: str | Path,
-                 substitute: dict[str, torch.Tensor] | None = None) -> None:
+                 substitute: dict[str, torch.Tensor] | None = None,
+                 shard: Shard = Shard()) -> None:
     """substitute: tensors by name filled in place of the checkpoint's (a compressed-tensors
     checkpoint's projections dequantized: engine/models/compressed.py), whose compressed
-    parts (weight_packed, weight_scale, ...) are then not unexpected."""
+    parts (weight_packed, weight_scale, ...) are then not unexpected. shard: a tensor-
+    parallel rank's place; the model is then that rank's (parallel.local_arch) and each split
+    tensor is narrowed to the rank's share before the shape check."""
     folder = Path(folder)
     slots = checkpoint_slots(model)
     loaded: set[str] = set()
@@ -96,6 +103,8 @@ def load_weights(model: DecoderForCausalLM, folder: str | Path,
         if slot is None:
             unexpected.append(name)
             return
+        if shard.size > 1 and slot.split is not None and slot.split < tensor.dim():
+            tensor = shard.narrow(tensor, slot.split)
         expected = (slot.rows, *slot.param.shape[1:])
         if tuple(tensor.shape) != expected:
             mis_shaped.append(f"{name}: checkpoint {tuple(tensor.shape)}, model {expected}")
@@ -148,8 +157,8 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int = 0) -> None:
 
 def build_model(arch: ModelArch, folder: str | Path | None, dtype: torch.dtype,
                 device: torch.device, max_positions: int, dummy: bool = False,
-                seed: int = 0, substitute: dict[str, torch.Tensor] | None = None
-                ) -> DecoderForCausalLM:
+                seed: int = 0, substitute: dict[str, torch.Tensor] | None = None,
+                shard: Shard = Shard()) -> DecoderForCausalLM:
     """Built on the meta device (no memory, no random init), then each parameter allocated
     once, on the target device in the target dtype, and filled from the checkpoint one tensor
     at a time (cast and copied as it is read from its shard). Host memory peaks near the
@@ -165,5 +174,5 @@ def build_model(arch: ModelArch, folder: str | Path | None, dtype: torch.dtype,
     if dummy:
         init_dummy_weights(model, seed)
     else:
-        load_weights(model, folder, substitute)
+        load_weights(model, folder, substitute, shard)
     return model.eval()

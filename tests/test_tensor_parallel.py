@@ -1,0 +1,122 @@
+"""Tensor parallelism on torch.distributed (engine/parallel.py, engine/tp_runner.py), gloo on
+the CPU with 2 processes: a tiny Llama with 4 query / 2 KV heads split in two gives tp=1's
+log-probabilities within float tolerance and its greedy tokens, prefill and decode, fp32 and
+bf16; what cannot split is refused naming the counts; a killed worker ends the server's
+streams with an error event and turns /health to 503 within seconds."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tritonserve.engine import LLM, SamplingParams
+from tritonserve.engine.parallel import local_arch
+from tritonserve.engine.models import ModelArch
+from tests.server_util import ServerThread, request, sse_payloads
+from tests.test_server import validate_native
+from tests.tiny_models import write_tiny_model
+
+HEADS = dict(num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tp_model(tmp_path_factory) -> str:
+    return str(write_tiny_model(tmp_path_factory.mktemp("tp-llama"), seed=6, **HEADS))
+
+
+def run(model: str, dtype: str, tp: int, prompts, params, device: str = "cpu"):
+    llm = LLM(model, device=device, dtype=dtype, max_num_seqs=4, tensor_parallel_size=tp)
+    try:
+        return llm.generate(prompts, params), llm.engine.runner.plan
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.1)])
+def test_two_ranks_give_one_ranks_logits_and_tokens(tp_model, dtype, tol, device):
+    """Prompts of different lengths (prefill), then 12 decode steps a sequence, greedy: the
+    tokens equal, each token's top-5 log-probabilities within tol (fp32: summation order of
+    the all-reduce; bf16: its rounding of the partial sums)."""
+    prompts = [[5 + i for i in range(n)] for n in (3, 9, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+    one, _ = run(tp_model, dtype, 1, prompts, params, device)
+    two, plan = run(tp_model, dtype, 2, prompts, params, device)  # 2 GPUs on CUDA (NCCL)
+    assert plan.mode == "eager" and "tensor_parallel_size 2" in plan.why_mode
+    for a, b in zip(one, two):
+        assert a.token_ids == b.token_ids
+        for ta, tb in zip(a.logprobs, b.logprobs):
+            assert abs(ta.logprob - tb.logprob) < tol
+            ours = {t.token_id: t.logprob for t in tb.top_logprobs}
+            for t in ta.top_logprobs:
+                if t.token_id in ours:
+                    assert abs(ours[t.token_id] - t.logprob) < tol
+
+
+def test_what_cannot_split_is_refused_naming_the_counts(tp_model):
+    arch = ModelArch.from_folder(tp_model)
+    assert (local_arch(arch, 2).num_heads, local_arch(arch, 2).num_kv_heads) == (2, 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 must divide the model's KV "
+                                         "heads 2 \\(query heads 4, KV heads 2\\)"):
+        local_arch(arch, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide"):
+        LLM(tp_model, dtype="float32", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(tp_model, tensor_parallel_size=0)
+
+
+def tp_engine(model: str):
+    from tritonserve.engine import LLMEngine
+    from tritonserve.engine.llm import build_config
+    return LLMEngine(build_config(model, dtype="float32", tensor_parallel_size=2))
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_stream_ends_the_stream_and_health(tp_model):
+    engine = tp_engine(tp_model)
+    srv = ServerThread(engine)
+    try:
+        assert request(srv.port, "GET", "/health")[0] == 200
+        result = {}
+
+        def stream():
+            result["raw"] = request(srv.port, "POST", "/generate", {
+                "prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True})[2]
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        time.sleep(0.3)  # ~100 of the 500 tokens (a step ~3 ms here)
+        killed = time.monotonic()
+        os.kill(engine.runner.workers[0].pid, signal.SIGKILL)
+        reader.join(timeout=30)
+        assert not reader.is_alive() and time.monotonic() - killed < 10
+        events = validate_native(sse_payloads(result["raw"]))
+        assert any(e.type == "token" for e in events)  # it was streaming
+        assert events[-1].type == "error" and events[-1].code == "engine_dead"
+        status, _, raw = request(srv.port, "GET", "/health")
+        assert status == 503 and "engine_dead" in raw.decode()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_idle_turns_health_503(tp_model):
+    engine = tp_engine(tp_model)
+    srv = ServerThread(engine)
+    try:
+        assert request(srv.port, "GET", "/health")[0] == 200
+        os.kill(engine.runner.workers[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            status, _, raw = request(srv.port, "GET", "/health")
+            if status == 503:
+                break
+            time.sleep(0.1)
+        assert status == 503 and "worker rank 1 exited" in raw.decode()
+        status, _, raw = request(srv.port, "POST", "/generate", {"prompt": "x", "max_tokens": 2})
+        assert status == 503
+    finally:
+        srv.stop()
