@@ -120,3 +120,45 @@ def test_a_worker_killed_while_idle_turns_health_503(tp_model):
         assert status == 503
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_on_loopback(tp_model):
+    """Multi-node through the same code: torchrun starts two processes (ranks) of the same
+    server command on loopback; rank 0 serves HTTP, rank 1 runs the forward; the answer is
+    tp=1's; SIGTERM drains and both end."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.test_server import free_port
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    port, master = free_port(), free_port()
+    proc = subprocess.Popen(
+        [torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(master), "-m", "tritonserve.server", "--model", tp_model,
+         "--port", str(port), "--tensor-parallel-size", "2", "--dtype", "float32"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    try:
+        deadline, lines = time.time() + 120, []
+        while time.time() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "READY" in line or proc.poll() is not None:
+                break
+        assert any("READY" in x for x in lines), "".join(lines[-20:])
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        status, _, raw = request(port, "POST", "/v1/completions", body)
+        assert status == 200, raw
+        import json
+        served = json.loads(raw)["choices"][0]["text"]
+        (one,), _ = run(tp_model, "float32", 1, [[5, 6, 7, 8]], SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert served == one.text
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -1,5 +1,5 @@
 """tritonserve bench {throughput,profile,kernels,serve,conformance,grammar,loading,
-    engine-check,compile-probe,cpu-decode,cpu-linear,quant-accuracy,ab-trees} ..."""
+    engine-check,compile-probe,cpu-decode,cpu-linear,quant-accuracy,ab-trees,tp-cost} ..."""
 from __future__ import annotations
 
 import importlib
@@ -19,6 +19,7 @@ COMMANDS = {
     "cpu-linear": "tritonserve.bench.cpu_linear",
     "quant-accuracy": "tritonserve.bench.quant_accuracy",
     "ab-trees": "tritonserve.bench.ab_trees",
+    "tp-cost": "tritonserve.bench.tp_cost",
 }
 
 

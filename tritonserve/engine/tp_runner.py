@@ -213,7 +213,9 @@ def serve_rank(config: EngineConfig, rank: int) -> int:
 
 
 def _torchrun_init() -> str:
-    return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29500')}"
+    """torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT: env:// joins it
+    (a tcp:// of the same address would try to bind the port again on rank 0)."""
+    return "env://"
 
 
 def _on_this_machine(shard: Shard) -> Shard:
