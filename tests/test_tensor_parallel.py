@@ -126,7 +126,7 @@ def test_a_worker_killed_while_idle_turns_health_503(tp_model):
 def test_torchrun_ranks_on_loopback(tp_model):
     """Multi-node through the same code: torchrun starts two processes (ranks) of the same
     server command on loopback; rank 0 serves HTTP, rank 1 runs the forward; the answer is
-    tp=1's; SIGTERM drains and both end."""
+    tp=1's; SIGTERM to the server drains it and both ranks end with 0."""
     import shutil
     import subprocess
     import sys
@@ -157,7 +157,13 @@ def test_torchrun_ranks_on_loopback(tp_model):
         (one,), _ = run(tp_model, "float32", 1, [[5, 6, 7, 8]], SamplingParams(
             temperature=0.0, max_tokens=8, ignore_eos=True))
         assert served == one.text
-        os.killpg(proc.pid, signal.SIGTERM)
+        # SIGTERM to rank 0 alone (the server): it drains and stops rank 1; torchrun then
+        # ends with both ranks' success (a signal to torchrun itself counts as a failure)
+        ranks = {}
+        for pid in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split():
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            ranks[next(e for e in env if e.startswith(b"RANK="))] = int(pid)
+        os.kill(ranks[b"RANK=0"], signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:

@@ -2,7 +2,8 @@
 tensor_parallel_size 1 and one at 2 (gloo, each rank its share of the cores), the same
 SmolLM2-shaped model with 8 query / 4 KV heads (SmolLM2's 9 / 3 do not split in two) and
 random weights, both eager (the path tp runs), and the time rank 0 spends in its all-reduces
-(2 a layer: after o and after down, each waiting for the other rank too).
+(2 a layer: after o and after down, each waiting for the other rank too), over shared memory
+(what tp uses on one machine's CPU) and over gloo.
 
 tritonserve bench tp-cost [--batches 1,64] [--steps 30] [--dtype bfloat16] [--json PATH]
 
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 from tritonserve.engine import LLMEngine, SamplingParams
-from tritonserve.engine import parallel
+from tritonserve.engine import parallel, tp_runner
 from tritonserve.engine.default_model import default_model_path
 from tritonserve.engine.llm import build_config
 
@@ -39,7 +40,7 @@ def model_folder() -> Path:
     return folder
 
 
-def measure(folder: Path, tp: int, batch: int, steps: int, dtype: str) -> dict:
+def measure(folder: Path, tp: int, batch: int, steps: int, dtype: str, by: str) -> dict:
     spent = {"s": 0.0, "calls": 0}
     reduce = parallel.Shard.all_reduce
 
@@ -50,6 +51,7 @@ def measure(folder: Path, tp: int, batch: int, steps: int, dtype: str) -> dict:
         spent["calls"] += 1
 
     parallel.Shard.all_reduce = timed
+    tp_runner.USE_SHM = by == "shm"
     engine = LLMEngine(build_config(str(folder), dtype=dtype, load_format="dummy",
                                     decode_mode="eager", tensor_parallel_size=tp,
                                     max_num_seqs=batch))
@@ -67,12 +69,14 @@ def measure(folder: Path, tp: int, batch: int, steps: int, dtype: str) -> dict:
         for _ in range(steps):
             engine.step()
         step_ms = (time.perf_counter() - start) / steps * 1e3
-        return {"tp": tp, "batch": batch, "step_ms": round(step_ms, 2),
+        return {"tp": tp, "by": by if tp > 1 else "-", "batch": batch,
+                "step_ms": round(step_ms, 2),
                 "all_reduce_ms": round(spent["s"] / steps * 1e3, 3),
                 "all_reduces_a_step": spent["calls"] // steps}
     finally:
         engine.close()
         parallel.Shard.all_reduce = reduce
+        tp_runner.USE_SHM = True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for batch in (int(b) for b in args.batches.split(",")):
-            for tp in (1, 2):
-                rows.append(measure(folder, tp, batch, args.steps, args.dtype))
+            for tp, by in ((1, "-"), (2, "shm"), (2, "gloo")):
+                rows.append(measure(folder, tp, batch, args.steps, args.dtype, by))
                 r = rows[-1]
-                print(f"tp {tp} batch {batch}: {r['step_ms']} ms a step, all-reduce "
+                print(f"tp {tp} ({by}) batch {batch}: {r['step_ms']} ms a step, all-reduce "
                       f"{r['all_reduce_ms']} ms ({r['all_reduces_a_step']} a step)",
                       flush=True)
     finally:

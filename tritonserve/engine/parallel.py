@@ -27,9 +27,10 @@ import torch.distributed as dist
 if TYPE_CHECKING:  # models/loader.py imports Shard from here
     from .models.arch import ModelArch
 
-# A collective waits this long for a peer before raising (a hung worker ends the engine);
-# a dead peer's closed socket raises at once.
-COLLECTIVE_TIMEOUT_S = 60
+# A group collective waits this long for a peer before raising. Long: a worker waits in one
+# for rank 0's next step however long the server idles; a hung rank is the server's step
+# watchdog's to catch, and a dead peer's closed socket raises at once.
+COLLECTIVE_TIMEOUT_S = 7 * 24 * 3600
 
 
 def local_arch(arch: ModelArch, size: int) -> ModelArch:
@@ -51,14 +52,24 @@ def local_arch(arch: ModelArch, size: int) -> ModelArch:
 
 @dataclass(frozen=True)
 class Shard:
-    """This process's place: rank of size (size 1: no group)."""
+    """This process's place: rank of size (size 1: no group); shm: the shared-memory
+    all-reduce when every rank is on this machine's CPU (engine/shm_allreduce.py), else the
+    group's (gloo, NCCL)."""
 
     rank: int = 0
     size: int = 1
+    shm: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """In place: the sum over ranks (a row-parallel projection's partial products)."""
-        dist.all_reduce(t)
+        if self.shm is not None:
+            self.shm.all_reduce(t)
+        else:
+            dist.all_reduce(t)
+
+    @property
+    def reduce_by(self) -> str:
+        return "shared memory" if self.shm is not None else dist.get_backend()
 
     def narrow(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's 1/size of a whole checkpoint tensor along dim."""

@@ -10,7 +10,8 @@ engine loop calls), so /health turns 503 and every stream ends with an error eve
 that hangs fails the collective after parallel.COLLECTIVE_TIMEOUT_S (or the server's step
 watchdog first).
 
-Messages (rank 0 -> all): ("allocate", num_blocks, max_model_len), ("profile",
+Messages (rank 0 -> all): first the all-reduce ("shm", path, capacity) or ("group",), then
+("allocate", num_blocks, max_model_len), ("profile",
 max_model_len), ("forward", ModelInput without its Request objects), ("stop",).
 """
 from __future__ import annotations
@@ -31,8 +32,12 @@ from .model_runner import ModelRunner
 from .models import ModelArch
 from .parallel import Shard, free_port, join, local_arch, pin_cores
 from .scheduler import SchedulerOutput
+from .shm_allreduce import ShmAllReduce
 
 log = logging.getLogger("tritonserve.engine")
+
+SHM_CAPACITY = 16 << 20  # bytes a rank's slot: a 8192-token bf16 prefill of hidden 1024
+USE_SHM = True  # False: the group's all-reduce on one machine too (bench tp-cost's gloo rows)
 
 
 class WorkerDiedError(RuntimeError):
@@ -52,9 +57,28 @@ def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return config
 
 
+def _with_reducer(shard: Shard, setup: tuple) -> Shard:
+    """The shard with the all-reduce rank 0 chose (("shm", path, capacity) or ("group",));
+    every rank has opened the mapping when this returns (the barrier)."""
+    shm = None
+    if setup[0] == "shm":
+        shm = ShmAllReduce(setup[1], shard.rank, shard.size, setup[2], create=False,
+                           should_stop=_parent_gone()) if shard.rank else setup[3]
+    dist.barrier()
+    return dataclasses.replace(shard, shm=shm)
+
+
+def _parent_gone():
+    """A worker's check while it waits in the shared-memory all-reduce: the process that
+    spawned it has gone (re-parented), so rank 0 will never arrive."""
+    parent = os.getppid()
+    return lambda: "rank 0's process has gone" if os.getppid() != parent else None
+
+
 def worker_loop(config: EngineConfig, arch: ModelArch, folder: Path | None,
                 max_positions: int, gguf: Path | None, shard: Shard) -> None:
     """A worker rank, after join(): its share of the model, then the messages until stop."""
+    shard = _with_reducer(shard, _send(None))
     runner = ModelRunner(_rank_config(config, shard.rank), local_arch(arch, shard.size),
                          folder, max_positions, gguf, shard)
     while True:
@@ -92,6 +116,8 @@ class TensorParallelRunner:
         self._threads = torch.get_num_threads()
         self.workers: list[mp.Process] = []
         self.dead: str | None = None
+        on_one_machine = init_method is None or (
+            os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"))
         if init_method is None:
             init_method = f"tcp://127.0.0.1:{free_port()}"
             context = mp.get_context("spawn")
@@ -103,11 +129,26 @@ class TensorParallelRunner:
         if torch.device(config.device).type == "cpu":
             pin_cores(_on_this_machine(shard))
         join(shard, config.device, init_method)
+        shard = self._reducer(config, shard, on_one_machine)
+        self.shard = shard
         self.local = ModelRunner(_rank_config(config, 0), local, folder, max_positions, gguf,
                                  shard)
         self.plan = self.local.plan
         self._stopped = False
         threading.Thread(target=self._watch, daemon=True, name="tp-watch").start()
+
+    def _reducer(self, config: EngineConfig, shard: Shard, on_one_machine: bool) -> Shard:
+        """Shared memory for ranks on this machine's CPU (SHM_CAPACITY a slot, larger
+        tensors in pieces), the group's all-reduce otherwise; the file is unlinked once every
+        rank has mapped it."""
+        if torch.device(config.device).type != "cpu" or not on_one_machine or not USE_SHM:
+            return _with_reducer(shard, _send(("group",)))
+        shm = ShmAllReduce.create(shard.size, SHM_CAPACITY)
+        shm.should_stop = lambda: self.dead
+        try:
+            return _with_reducer(shard, _send(("shm", shm.path, SHM_CAPACITY)) + (shm,))
+        finally:
+            os.unlink(shm.path)
 
     def _watch(self) -> None:
         while not self._stopped and self.dead is None:
@@ -124,7 +165,8 @@ class TensorParallelRunner:
         return getattr(self.__dict__["local"], name)
 
     def kernels_in_use(self) -> str:
-        return f"{self.local.kernels_in_use()}, tensor parallel {self.config.tensor_parallel_size}"
+        return (f"{self.local.kernels_in_use()}, tensor parallel "
+                f"{self.config.tensor_parallel_size} (all-reduce over {self.shard.reduce_by})")
 
     def check_health(self) -> None:
         if self.dead is not None:
