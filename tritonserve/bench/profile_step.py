@@ -2,7 +2,8 @@
 
 tritonserve bench profile [--model PATH] [--num-prompts 64] [--input-len 100 |
     --input-range 50:400] [--steps 30] [--profile-steps 5] [--rows 15]
-    [--temperature 1.0] [--top-p 1.0] [--greedy] [--dtype auto] [--ab-direct 12]
+    [--temperature 1.0] [--top-p 1.0] [--greedy] [--dtype auto] [--quantization auto]
+    [--ab-direct 12]
 
 Adds the prompts, steps until every one is decoding, times --steps decode steps, then runs
 --profile-steps more under torch.profiler and prints the share of each phase of the step
@@ -19,7 +20,8 @@ import argparse
 import statistics
 import time
 
-from tritonserve.engine.config import CLI_DECODE_MODES, DTYPE_CHOICES, EngineConfig
+from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, QUANTIZATIONS,
+                                       EngineConfig)
 
 from .throughput import add_workload_args, make_prompts, prompt_lengths
 
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--greedy", action="store_true", help="temperature 0")
     parser.add_argument("--decode-mode", default=EngineConfig.decode_mode,
                         choices=CLI_DECODE_MODES)
+    parser.add_argument("--quantization", default=EngineConfig.quantization,
+                        choices=QUANTIZATIONS, help="the weights' form (engine/plan.py)")
     parser.add_argument("--decode-buckets", default="",
                         help="comma-separated sizes (default: the batch size alone)")
     parser.add_argument("--ab-direct", type=int, default=0, metavar="N",
@@ -51,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from .throughput import sampling
     buckets = tuple(int(b) for b in args.decode_buckets.split(",") if b) or (args.num_prompts,)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts,
-              decode_mode=args.decode_mode, decode_buckets=buckets)
+              decode_mode=args.decode_mode, decode_buckets=buckets,
+              quantization=args.quantization)
     engine = llm.engine
     lengths = prompt_lengths(args.num_prompts, args.input_len, args.input_range, args.seed)
     # enough output tokens that nobody finishes during the measured steps
