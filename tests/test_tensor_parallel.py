@@ -68,58 +68,56 @@ def test_what_cannot_split_is_refused_naming_the_counts(tp_model):
         LLM(tp_model, tensor_parallel_size=0)
 
 
-def tp_engine(model: str):
+@pytest.fixture
+def tp_server(tp_model):
+    """A tp=2 engine (fp32) behind an in-process server, healthy; stopped after the test."""
     from tritonserve.engine import LLMEngine
     from tritonserve.engine.llm import build_config
-    return LLMEngine(build_config(model, dtype="float32", tensor_parallel_size=2))
-
-
-@pytest.mark.slow
-def test_a_worker_killed_mid_stream_ends_the_stream_and_health(tp_model):
-    engine = tp_engine(tp_model)
+    engine = LLMEngine(build_config(tp_model, dtype="float32", tensor_parallel_size=2))
     srv = ServerThread(engine)
     try:
         assert request(srv.port, "GET", "/health")[0] == 200
-        result = {}
+        yield engine, srv
+    finally:
+        srv.stop()
 
-        def stream():
-            result["raw"] = request(srv.port, "POST", "/generate", {
-                "prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True})[2]
 
-        reader = threading.Thread(target=stream)
-        reader.start()
-        time.sleep(0.3)  # ~100 of the 500 tokens (a step ~3 ms here)
-        killed = time.monotonic()
-        os.kill(engine.runner.workers[0].pid, signal.SIGKILL)
-        reader.join(timeout=30)
-        assert not reader.is_alive() and time.monotonic() - killed < 10
-        events = validate_native(sse_payloads(result["raw"]))
-        assert any(e.type == "token" for e in events)  # it was streaming
-        assert events[-1].type == "error" and events[-1].code == "engine_dead"
+@pytest.mark.slow
+def test_a_worker_killed_mid_stream_ends_the_stream_and_health(tp_server):
+    engine, srv = tp_server
+    result = {}
+
+    def stream():
+        result["raw"] = request(srv.port, "POST", "/generate", {
+            "prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True})[2]
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    time.sleep(0.3)  # ~100 of the 500 tokens (a step ~3 ms here)
+    killed = time.monotonic()
+    os.kill(engine.runner.workers[0].pid, signal.SIGKILL)
+    reader.join(timeout=30)
+    assert not reader.is_alive() and time.monotonic() - killed < 10
+    events = validate_native(sse_payloads(result["raw"]))
+    assert any(e.type == "token" for e in events)  # it was streaming
+    assert events[-1].type == "error" and events[-1].code == "engine_dead"
+    status, _, raw = request(srv.port, "GET", "/health")
+    assert status == 503 and "engine_dead" in raw.decode()
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_idle_turns_health_503(tp_server):
+    engine, srv = tp_server
+    os.kill(engine.runner.workers[0].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
         status, _, raw = request(srv.port, "GET", "/health")
-        assert status == 503 and "engine_dead" in raw.decode()
-    finally:
-        srv.stop()
-
-
-@pytest.mark.slow
-def test_a_worker_killed_while_idle_turns_health_503(tp_model):
-    engine = tp_engine(tp_model)
-    srv = ServerThread(engine)
-    try:
-        assert request(srv.port, "GET", "/health")[0] == 200
-        os.kill(engine.runner.workers[0].pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            status, _, raw = request(srv.port, "GET", "/health")
-            if status == 503:
-                break
-            time.sleep(0.1)
-        assert status == 503 and "worker rank 1 exited" in raw.decode()
-        status, _, raw = request(srv.port, "POST", "/generate", {"prompt": "x", "max_tokens": 2})
-        assert status == 503
-    finally:
-        srv.stop()
+        if status == 503:
+            break
+        time.sleep(0.1)
+    assert status == 503 and "worker rank 1 exited" in raw.decode()
+    status, _, raw = request(srv.port, "POST", "/generate", {"prompt": "x", "max_tokens": 2})
+    assert status == 503
 
 
 @pytest.mark.slow
