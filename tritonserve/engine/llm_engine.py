@@ -9,7 +9,6 @@ produced so that no finished request is lost.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -19,37 +18,25 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from .config import EngineConfig
-from .default_model import gguf_source, resolve_model
+from .default_model import gguf_source
 from .detokenizer import IncrementalDetokenizer, StopCheck, StopStringMatcher
-from .dtype import resolve_dtype
 from .errors import EngineDeadError, InvalidRequestError
 from .kv_cache import KVCacheManager
 from .memory import (num_cache_blocks, profiled_cache_blocks, profiles_cache,
                      resolve_max_model_len)
-from .models import ModelArch
 from .outputs import (Completion, FinishReason, GenerationStep, RequestTiming, TokenOutput)
 from .request import Request
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .structured import Grammars
+from .resolve import resolved
 from .tp_runner import make_runner
 
 log = logging.getLogger("tritonserve.engine")
 
 MAX_FAILED_STEPS = 3  # forward passes failing in a row before the engine declares itself dead
 PROMPT_DETOKENIZE_CONTEXT = 5  # prompt tokens the detokenizer sees before the output (as vLLM)
-
-
-def resolved(config: EngineConfig) -> tuple[Path, ModelArch, EngineConfig, int]:
-    """(model folder, arch, the config with its dtype resolved, RoPE positions): what every
-    tensor-parallel rank derives alike from the same config."""
-    model_path = resolve_model(config.model)
-    arch = ModelArch.from_folder(model_path)
-    config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, arch.torch_dtype,
-                                                             config.device))
-    return model_path, arch, config, config.scheduler.max_model_len or \
-        arch.max_position_embeddings
 
 
 class LLMEngine:

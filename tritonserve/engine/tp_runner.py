@@ -28,9 +28,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .config import EngineConfig
+from .default_model import gguf_source
 from .model_runner import ModelRunner
 from .models import ModelArch
 from .parallel import Shard, free_port, join, local_arch, pin_cores
+from .resolve import resolved
 from .scheduler import SchedulerOutput
 from .shm_allreduce import ShmAllReduce
 
@@ -238,8 +240,6 @@ def make_runner(config: EngineConfig, arch: ModelArch, folder: Path | None,
 def serve_rank(config: EngineConfig, rank: int) -> int:
     """A worker rank started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): the
     same config as rank 0's server, resolved alike; returns when rank 0 stops it."""
-    from .default_model import gguf_source
-    from .llm_engine import resolved
 
     size = config.tensor_parallel_size
     if int(os.environ.get("WORLD_SIZE", size)) != size:
