@@ -33,25 +33,32 @@ inline void group_sums_bf16(const uint16_t* x, int64_t ldx, int64_t R, int64_t K
 // Past one tile of rows the panel is widened once into scratch and read by every tile:
 // widened per tile of 8 rows, SmolLM2's batch-64 matmuls took 53 ms against the dense bf16
 // panels' 41; with the totals in memory a group (not registers), 50.
+
+// Pair j of a record as vdpbf16ps's operand: 16 lanes (columns) of two bf16, k 2j and 2j+1.
+// u4: bf16(128 + q[2j]) | bf16(128 + q[2j+1]) << 16 (0x4300 | q: exact); s8: bf16(q[2j]) |
+// bf16(q[2j+1]) << 16, each exact
+template <Kind kind>
+inline __m512i pair_of(const uint8_t* rec, int j) {
+  if constexpr (kind == Kind::kU4) {
+    const __m512i u =
+        _mm512_srli_epi32(_mm512_loadu_si512(rec + 64 + 64 * (j / 4)), 4 * (j % 4));
+    return _mm512_ternarylogic_epi32(u, _mm512_set1_epi32(0x000F000F),
+                                     _mm512_set1_epi32(0x43004300), 0xEA);
+  } else {
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 32 * j))));
+    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 48 + 32 * j))));
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 16),
+                                     _mm512_castps_si512(b),
+                                     _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), 0xF8);
+  }
+}
+
 template <Kind kind>
 inline void widen_group(const uint8_t* rec, __m512i* pairs) {
-  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), offset = _mm512_set1_epi32(0x43004300);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
 #pragma GCC unroll 4
-  for (int j = 0; j < 16; ++j) {
-    if constexpr (kind == Kind::kU4) {  // lane = bf16(128 + q[2j]) | bf16(128 + q[2j+1]) << 16
-      const __m512i u = _mm512_srli_epi32(_mm512_loadu_si512(rec + 64 + 64 * (j / 4)),
-                                          4 * (j % 4));
-      pairs[j] = _mm512_ternarylogic_epi32(u, nibbles, offset, 0xEA);  // (u & nibbles) | offset
-    } else {  // lane = bf16(q[2j]) | bf16(q[2j+1]) << 16, each exact
-      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 32 * j))));
-      const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 48 + 32 * j))));
-      pairs[j] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 16),
-                                           _mm512_castps_si512(b), high, 0xF8);  // a | (b & high)
-    }
-  }
+  for (int j = 0; j < 16; ++j) pairs[j] = pair_of<kind>(rec, j);
 }
 
 // acc += x's pair at p (broadcast) . the widened pair; under GCC the broadcast is the
@@ -127,24 +134,6 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G
   for (int r = 0; r < R; ++r)
     _mm256_mask_storeu_epi16(y + r * ldy, mask,
                              (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(tot[r], b)));
-}
-
-// Pair j of a record widened (widen_group's lane layout, one pair)
-template <Kind kind>
-inline __m512i pair_of(const uint8_t* rec, int j) {
-  if constexpr (kind == Kind::kU4) {
-    const __m512i u = _mm512_srli_epi32(_mm512_loadu_si512(rec + 64 + 64 * (j / 4)), 4 * (j % 4));
-    return _mm512_ternarylogic_epi32(u, _mm512_set1_epi32(0x000F000F),
-                                     _mm512_set1_epi32(0x43004300), 0xEA);
-  } else {
-    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 32 * j))));
-    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 48 + 32 * j))));
-    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 16),
-                                     _mm512_castps_si512(b),
-                                     _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), 0xF8);
-  }
 }
 
 // N groups of one row, interleaved, from group g: each group's 16 pairs widened straight into
