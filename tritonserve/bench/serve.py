@@ -2,7 +2,8 @@
 
 tritonserve bench serve --base-url URL --endpoint native|completions|chat --num-prompts N
     (--request-rate R | --max-concurrency C) --input-len L --output-len M
-    [--dataset random|PATH.jsonl] [--tokenizer PATH] [--seed S] [--goodput ttft:MS tpot:MS]
+    [--dataset random|shared-prefix|PATH.jsonl] [--num-prefixes K --prefix-len P]
+    [--tokenizer PATH] [--seed S] [--goodput ttft:MS tpot:MS]
     [--result-json PATH] [--plot PATH.png] [--model NAME] [--no-ignore-eos]
 
 Output tokens are the server's count (done event or usage); the client's count is kept
@@ -20,7 +21,7 @@ import time
 import aiohttp
 
 from .client import RequestRecord, send
-from .workload import arrival_gaps, jsonl_requests, random_requests
+from .workload import arrival_gaps, jsonl_requests, random_requests, shared_prefix_requests
 
 PERCENTILES = (50, 90, 99)
 
@@ -171,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     rate.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--input-len", type=int, default=100)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--dataset", default="random", help="random, or a JSONL file of prompts")
+    p.add_argument("--dataset", default="random", help="random; shared-prefix (--num-prefixes "
+                   "system prompts of --prefix-len tokens, then --input-len of question); or "
+                   "a JSONL file of prompts")
+    p.add_argument("--num-prefixes", type=int, default=8)
+    p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--tokenizer", default=None, help="HF folder for token-length prompts")
     p.add_argument("--model", default=None, help="model name for the OpenAI routes")
     p.add_argument("--seed", type=int, default=0)
@@ -186,13 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.base_url = args.base_url.rstrip("/")
 
-    if args.dataset == "random":
+    if args.dataset in ("random", "shared-prefix"):
         tokenizer = None
         if args.tokenizer:
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        requests = random_requests(args.num_prompts, args.input_len, args.output_len,
-                                   args.seed, tokenizer)
+        if args.dataset == "random":
+            requests = random_requests(args.num_prompts, args.input_len, args.output_len,
+                                       args.seed, tokenizer)
+        else:
+            requests = shared_prefix_requests(args.num_prompts, args.num_prefixes,
+                                              args.prefix_len, args.input_len,
+                                              args.output_len, args.seed, tokenizer)
     else:
         requests = jsonl_requests(args.dataset, args.num_prompts, args.output_len, args.seed)
     records, duration = asyncio.run(run(args, requests))

@@ -44,6 +44,27 @@ def random_requests(num: int, input_len: int, output_len: int, seed: int,
     return out
 
 
+def shared_prefix_requests(num: int, num_prefixes: int, prefix_len: int, input_len: int,
+                           output_len: int, seed: int, tokenizer=None) -> list[BenchRequest]:
+    """Agents' and chat apps' traffic: num_prefixes long "system prompts" of prefix_len tokens
+    (words without a tokenizer), each request one of them, drawn at random, then a question of
+    input_len. What prefix-aware data-parallel routing is for (server/router.py)."""
+    rng = random.Random(seed)
+    count = max(num_prefixes, 1)
+    prefixes = random_requests(count, prefix_len, output_len, seed + 7919, tokenizer)
+    questions = random_requests(num, input_len, output_len, seed, tokenizer)
+    out = []
+    for question in questions:
+        prefix = prefixes[rng.randrange(count)]
+        if tokenizer is not None:
+            ids = list(prefix.prompt) + list(question.prompt)
+            out.append(BenchRequest(ids, output_len, len(ids), prefix.text + question.text))
+        else:
+            out.append(BenchRequest(f"{prefix.prompt} {question.prompt}", output_len,
+                                    prefix_len + input_len))
+    return out
+
+
 def jsonl_requests(path: str, num: int, output_len: int, seed: int) -> list[BenchRequest]:
     """Each line: {"prompt": str, "output_len"?: int}. Sampled with the seed, repeated if
     the file is shorter than --num-prompts."""

@@ -35,6 +35,18 @@ class BlockKey:
         return h.digest()
 
 
+def prompt_digests(token_ids: list[int], block_size: int) -> list[bytes]:
+    """The chained digests of the full blocks a prompt's prefix-cache lookup may hit (its
+    last token is never served from the cache): what server/router.py matches against the
+    digests an engine reports holding."""
+    digests: list[bytes] = []
+    parent: bytes | None = None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = BlockKey(parent, tuple(token_ids[i * block_size:(i + 1) * block_size])).digest
+        digests.append(parent)
+    return digests
+
+
 @dataclass
 class PrefixCacheStats:
     queried_tokens: int = 0
@@ -54,6 +66,9 @@ class KVCacheManager:
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # block digest -> block id
         self.stats = PrefixCacheStats()
+        # When a list: each digest entering (True) or leaving (False) the prefix cache, in
+        # order, for take_journal() (a data-parallel engine reports them to the router).
+        self.journal: list[tuple[bool, bytes]] | None = None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -113,7 +128,14 @@ class KVCacheManager:
                 self._block_hash[block] = block_hash
                 self._block_key[block] = key
                 self._cached[block_hash] = block
+                if self.journal is not None:
+                    self.journal.append((True, block_hash))
         request.num_cached_blocks = num_full
+
+    def take_journal(self) -> list[tuple[bool, bytes]]:
+        """The cache's changes since the last call (journal must be a list)."""
+        changes, self.journal = self.journal, []
+        return changes
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int,
@@ -157,6 +179,8 @@ class KVCacheManager:
         old_hash = self._block_hash[block]
         if old_hash is not None:  # evict its prefix-cache entry
             del self._cached[old_hash]
+            if self.journal is not None:
+                self.journal.append((False, old_hash))
             self._block_hash[block] = None
             self._block_key[block] = None
         self._ref_counts[block] = 1

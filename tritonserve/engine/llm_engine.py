@@ -9,7 +9,6 @@ produced so that no finished request is lost.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
@@ -26,6 +25,7 @@ from .memory import (num_cache_blocks, profiled_cache_blocks, profiles_cache,
                      resolve_max_model_len)
 from .outputs import (Completion, FinishReason, GenerationStep, RequestTiming, TokenOutput)
 from .request import Request
+from .request_check import RequestChecker
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -62,15 +62,17 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.checker = RequestChecker(self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
+                                      self.max_model_len)
         self._requests: dict[str, Request] = {}
         self._pending_aborts: list[str] = []
         self._ids = itertools.count()
         self._failed_steps = 0  # forward passes failed in a row
 
-    @functools.cached_property
+    @property
     def grammars(self) -> Grammars:
         """Built on the first structured request (it reads the whole vocabulary once)."""
-        return Grammars(self.tokenizer, self.arch.vocab_size, sorted(self.eos_token_ids))
+        return self.checker.grammars
 
     # ---- public API ----------------------------------------------------------------------
     @property
@@ -93,29 +95,8 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
-        """Raise InvalidRequestError for a request that could never run; return its
-        parameters checked against the vocabulary (SamplingParams.for_vocab)."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        if len(prompt_token_ids) >= self.max_model_len:  # before any per-token work
-            raise InvalidRequestError(
-                "prompt", f"{len(prompt_token_ids)} tokens leave no room for output within "
-                f"max_model_len {self.max_model_len}")
-        vocab = self.arch.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= vocab
-               for t in prompt_token_ids):
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
-        params = params.for_vocab(vocab)
-        if params.structured is not None:
-            self.grammars.compile(params.structured)  # a bad grammar names its field
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens", f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
-                f"({params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
-        # No KV-block check here: max_model_len fits the cache (resolve_max_model_len), so a
-        # request is admitted by what it needs now, and a full cache preempts (scheduler.py).
-        return params
+        """Raise InvalidRequestError for a request that could never run (engine/request_check.py)."""
+        return self.checker.validate(prompt_token_ids, params)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,

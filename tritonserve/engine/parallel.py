@@ -94,15 +94,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pin_cores(shard: Shard) -> int:
-    """On the CPU each rank gets its own cores (a disjoint share of this process's affinity,
-    set for its threads: torch's and the C++ library's OpenMP); returns the thread count."""
+def pin_cores(rank: int, size: int) -> int:
+    """On the CPU each of `size` ranks (tensor-parallel ranks, or data-parallel engines) gets
+    its own cores: a disjoint share of this process's affinity, set for its threads (torch's
+    and the C++ library's OpenMP); returns the thread count."""
     try:
         cores = sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return torch.get_num_threads()
-    share = max(1, len(cores) // shard.size)
-    mine = cores[shard.rank * share:(shard.rank + 1) * share] or cores[-share:]
+    share = max(1, len(cores) // size)
+    mine = cores[rank * share:(rank + 1) * share] or cores[-share:]
     os.sched_setaffinity(0, mine)
     torch.set_num_threads(len(mine))
     return len(mine)

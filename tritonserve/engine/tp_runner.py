@@ -98,7 +98,7 @@ def worker_loop(config: EngineConfig, arch: ModelArch, folder: Path | None,
 
 
 def _spawned(config, arch, folder, max_positions, gguf, shard, init_method) -> None:
-    pin_cores(shard)
+    pin_cores(shard.rank, shard.size)
     join(shard, config.device, init_method)
     worker_loop(config, arch, folder, max_positions, gguf, shard)
 
@@ -129,7 +129,7 @@ class TensorParallelRunner:
                 proc.start()
                 self.workers.append(proc)
         if torch.device(config.device).type == "cpu":
-            pin_cores(_on_this_machine(shard))
+            pin_cores(*_local_rank(shard))
         join(shard, config.device, init_method)
         shard = self._reducer(config, shard, on_one_machine)
         self.shard = shard
@@ -248,7 +248,7 @@ def serve_rank(config: EngineConfig, rank: int) -> int:
     folder, arch, config, max_positions = resolved(config)
     shard = Shard(rank, size)
     if torch.device(config.device).type == "cpu":
-        pin_cores(_on_this_machine(shard))
+        pin_cores(*_local_rank(shard))
     join(shard, config.device, _torchrun_init())
     worker_loop(config, arch, folder, max_positions, gguf_source(folder), shard)
     return 0
@@ -260,9 +260,9 @@ def _torchrun_init() -> str:
     return "env://"
 
 
-def _on_this_machine(shard: Shard) -> Shard:
-    """The rank's place among the ranks of this machine (torchrun's LOCAL_RANK /
+def _local_rank(shard: Shard) -> tuple[int, int]:
+    """The rank's place among the ranks of this machine, (rank, size) (torchrun's LOCAL_RANK /
     LOCAL_WORLD_SIZE; spawned workers are all here): what its share of the cores is."""
     if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
-        return Shard(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
-    return shard
+        return int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    return shard.rank, shard.size

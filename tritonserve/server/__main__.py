@@ -22,6 +22,8 @@ from tritonserve.engine.llm import build_config
 from .app import build_app, drain
 from .common import STATE
 from .config import ServerConfig
+from .dp_engine import DataParallelEngine
+from .router import POLICIES
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -71,6 +73,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=e.tensor_parallel_size,
                    help="ranks the model is split across (gloo on the CPU, NCCL on CUDA); "
                    "under torchrun the ranks are its processes (RANK > 0 runs a worker)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=v.data_parallel_size,
+                   help="engine processes behind this server, each with its share of the "
+                   "cores (and its own --tensor-parallel-size ranks)")
+    p.add_argument("--data-parallel-routing", default=v.data_parallel_routing,
+                   choices=POLICIES, help="prefix: the engine holding the longest cached "
+                   "prefix of the prompt, unless it is much busier than the least loaded; "
+                   "least-tokens: fewest outstanding tokens; random")
     p.add_argument("--decode-mode", default=e.decode_mode, choices=CLI_DECODE_MODES,
                    help="decode steps: auto (CUDA graphs on CUDA; on the CPU the layer stack as "
                    "one C++ op in fp32 and bf16, torch.compile where that op does not take the "
@@ -111,7 +120,15 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**values)
 
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
+def build_engine(args: argparse.Namespace) -> LLMEngine | DataParallelEngine:
+    """One engine in this process, or --data-parallel-size engine processes behind it."""
+    if args.data_parallel_size > 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("data_parallel_size > 1 runs its engines on this machine; under "
+                             "torchrun use --tensor-parallel-size alone")
+        return DataParallelEngine(engine_config(args), args.data_parallel_size,
+                                  args.data_parallel_routing, args.max_waiting,
+                                  tuple(args.served_model_name))
     return LLMEngine(engine_config(args))
 
 
@@ -135,8 +152,9 @@ async def serve_http(app: web.Application, args: argparse.Namespace,
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     card = app[STATE].engine.card
-    logging.info("serving %s on http://%s:%d (%s; %s; %s; %d KV blocks of %d tokens)",
-                 card.name, args.host, args.port, card.dtype, card.plan.describe(),
+    engines = f"{card.engines} engines; " if card.engines > 1 else ""
+    logging.info("serving %s on http://%s:%d (%s%s; %s; %s; %d KV blocks of %d tokens)",
+                 card.name, args.host, args.port, engines, card.dtype, card.plan.describe(),
                  card.kernels, card.num_kv_blocks, card.block_size)
     print(f"READY http://{args.host}:{args.port}", flush=True)
     await stop.wait()

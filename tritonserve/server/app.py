@@ -57,7 +57,13 @@ async def health(request: web.Request) -> web.Response:
         return json_error(503, "engine_dead", f"the engine died: {state.engine.dead}")
     if state.draining:
         return json_error(503, "shutting_down", "the server is shutting down")
-    return web.json_response({"status": "ok", "model": state.engine.card.name})
+    body = {"status": "ok", "model": state.engine.card.name}
+    views = state.engine.engines()
+    if len(views) > 1:  # data-parallel: which engines serve (a dead one is out of rotation)
+        body["engines"] = [{"index": v.index, "alive": v.alive, "pid": v.pid,
+                            "running": v.stats.num_running, "waiting": v.stats.num_waiting,
+                            "outstanding_tokens": v.outstanding_tokens} for v in views]
+    return web.json_response(body)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -66,11 +72,14 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": state.metrics.content_type})
 
 
-def build_app(engine: LLMEngine, config: ServerConfig = ServerConfig(),
+def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig = ServerConfig(),
               engine_thread: bool = True) -> web.Application:
-    """engine_thread=False leaves stepping the engine to the caller (AsyncEngine.run()).
-    Bodies over config.max_body_bytes get 413 before they are parsed."""
-    async_engine = AsyncEngine(engine, config.max_waiting, config.served_model_name)
+    """engine: an LLMEngine (hosted here by an AsyncEngine), or a host already built (the
+    data-parallel front end, server/dp_engine.py). engine_thread=False leaves stepping the
+    engine to the caller (AsyncEngine.run()). Bodies over config.max_body_bytes get 413
+    before they are parsed."""
+    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(
+        engine, config.max_waiting, config.served_model_name)
     # outermost first: CORS headers on every answer (401s too), preflights before the key
     app = web.Application(middlewares=[cors, json_errors, api_key],
                           client_max_size=config.max_body_bytes)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ class ModelCard:
     plan: DecodePlan  # what the steps run, with why (engine/plan.py)
     kernels: str  # which kernels serve: "Triton (CUDA)", "C++ CPU ops (ISA ...)", "torch"
     aliases: tuple[str, ...] = ()  # --served-model-name: then the only names, name the first
+    engines: int = 1  # data-parallel engines (num_kv_blocks is their sum)
 
     def names(self) -> tuple[str, ...]:
         """The names a request's `model` field may use."""
@@ -85,7 +87,18 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
-class _NewRequest:
+class EngineView:
+    """One engine as /metrics and /health see it."""
+
+    index: int
+    alive: bool
+    pid: int
+    stats: EngineStats
+    outstanding_tokens: int  # what the data-parallel router counts (0 for one engine)
+
+
+@dataclass(frozen=True)
+class NewRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -143,10 +156,16 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256,
                  served_names: tuple[str, ...] = ()) -> None:
         self.engine = engine
+        self._open(max_waiting, PromptTokenizer(engine.model_path, engine.max_model_len),
+                   card_of(engine, served_names))
+        engine.grammars  # built now (~1 s): not on the event loop at the first structured request
+
+    def _open(self, max_waiting: int, prompts: PromptTokenizer, card: ModelCard) -> None:
+        """The front half every host shares (server/dp_engine.py's too): streams, inbox, stats."""
         self.max_waiting = max_waiting
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: list[_NewRequest] = []
+        self._inbox: list[NewRequest] = []
         self._aborts: list[str] = []
         self._failures: list[StreamFailure] = []
         self._queues: dict[str, tuple[asyncio.Queue[tuple[int, StreamItem]], int]] = {}
@@ -159,16 +178,13 @@ class AsyncEngine:
         # the longest step so far in seconds
         self.step_started: float | None = None
         self.slowest_step = 0.0
-        self.prompts = PromptTokenizer(engine.model_path, engine.max_model_len)
-        self.card = ModelCard(
-            name=served_names[0] if served_names else engine.model_name,
-            root=str(engine.model_path), aliases=tuple(served_names),
-            max_model_len=engine.max_model_len, vocab_size=engine.arch.vocab_size,
-            num_kv_blocks=engine.kv_cache.num_blocks, block_size=engine.kv_cache.block_size,
-            dtype=engine.config.dtype, plan=engine.runner.plan,
-            kernels=engine.runner.kernels_in_use())
+        self.prompts = prompts
+        self.card = card
         self.stats = EngineStats()
-        engine.grammars  # built now (~1 s): not on the event loop at the first structured request
+
+    def engines(self) -> list[EngineView]:
+        """Each engine behind this door (one here; server/dp_engine.py has several)."""
+        return [EngineView(0, self.dead is None, os.getpid(), self.stats, 0)]
 
     # ---- lifecycle ----------------------------------------------------------------------
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -216,7 +232,7 @@ class AsyncEngine:
             raise OverloadedError(f"{self.num_waiting} requests are waiting "
                                   f"(--max-waiting {self.max_waiting})")
         queue: asyncio.Queue[tuple[int, StreamItem]] = asyncio.Queue()
-        new: list[_NewRequest] = []
+        new: list[NewRequest] = []
         for ids, prompt_params in zip(prompts, checked):
             first = None
             for j in range(n):
@@ -225,7 +241,7 @@ class AsyncEngine:
                     choice_params = dataclasses.replace(
                         prompt_params, seed=(prompt_params.seed + j) % SEED_LIMIT)
                 choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{len(new)}"
-                new.append(_NewRequest(choice_id, ids, choice_params, arrival_time, first))
+                new.append(NewRequest(choice_id, ids, choice_params, arrival_time, first))
                 first = first or choice_id
         for index, item in enumerate(new):
             self._queues[item.request_id] = (queue, index)
@@ -263,11 +279,12 @@ class AsyncEngine:
                 if target is not None:
                     target[0].put_nowait((target[1], failure))
 
-    def stalled(self, reason: str) -> None:
+    def stalled(self, reason: str) -> bool:
         """On the event loop (server/watchdog.py): a step hangs. The engine counts as dead
         (/health 503) and every open stream ends with an error event now; the step itself
-        cannot be interrupted."""
+        cannot be interrupted. True: nothing is left serving (the process should end)."""
         self._die([], reason)
+        return True
 
     def _die(self, steps: list[GenerationStep], reason: str) -> None:
         """On the event loop: deliver the dead engine's last steps, end every other stream."""
@@ -334,16 +351,29 @@ class AsyncEngine:
     def _take_stats(self) -> None:
         """On the engine thread, after admitting and after each step: one immutable
         snapshot, swapped in whole (the event loop reads it without a lock)."""
-        engine = self.engine
-        prefix = engine.kv_cache.stats
-        self.stats = EngineStats(engine.num_running, engine.num_waiting, engine.kv_cache.usage,
-                                 engine.scheduler.num_preemptions, prefix.queried_tokens,
-                                 prefix.hit_tokens)
+        self.stats = stats_of(self.engine)
 
     def _post(self, steps: list[GenerationStep], failure: StreamFailure | None,
               failed_ids: list[str]) -> None:
         if self._loop is not None and (steps or failed_ids):
             self._loop.call_soon_threadsafe(self._dispatch, steps, failure, failed_ids)
+
+
+def stats_of(engine: LLMEngine) -> EngineStats:
+    prefix = engine.kv_cache.stats
+    return EngineStats(engine.num_running, engine.num_waiting, engine.kv_cache.usage,
+                       engine.scheduler.num_preemptions, prefix.queried_tokens,
+                       prefix.hit_tokens)
+
+
+def card_of(engine: LLMEngine, served_names: tuple[str, ...] = ()) -> ModelCard:
+    return ModelCard(
+        name=served_names[0] if served_names else engine.model_name,
+        root=str(engine.model_path), aliases=tuple(served_names),
+        max_model_len=engine.max_model_len, vocab_size=engine.arch.vocab_size,
+        num_kv_blocks=engine.kv_cache.num_blocks, block_size=engine.kv_cache.block_size,
+        dtype=engine.config.dtype, plan=engine.runner.plan,
+        kernels=engine.runner.kernels_in_use())
 
 
 def now() -> float:

@@ -19,9 +19,13 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = ()  # the names requests may use; the first is reported
     # server/watchdog.py: a step older than this ends the engine (None: auto; 0: off)
     step_timeout: float | None = None
+    # server/dp_engine.py: engine processes behind this front end, and how it picks one
+    # (server/router.py's POLICIES)
+    data_parallel_size: int = 1
+    data_parallel_routing: str = "prefix"
 
     def __post_init__(self) -> None:
-        for name in ("max_waiting", "max_body_bytes"):
+        for name in ("max_waiting", "max_body_bytes", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:

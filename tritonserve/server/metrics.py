@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tritonserve.engine import Completion
 
@@ -46,6 +46,7 @@ class Metrics:
         Gauge(f"{PREFIX}kv_cache_usage_perc", "KV blocks owned by live requests / total",
               registry=r).set_function(lambda: async_engine.stats.kv_cache_usage)
         r.register(_EngineCounters(async_engine))
+        r.register(_PerEngine(async_engine))
 
     def observe_completion(self, done: Completion) -> None:
         t = done.timing
@@ -81,3 +82,35 @@ class _EngineCounters:
                  stats.prefix_cache_hits),
                 ("num_preemptions", "Requests preempted for KV blocks", stats.num_preemptions)):
             yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=value)
+
+
+class _PerEngine:
+    """Each engine's own figures, labelled engine="i" (one engine: "0"); the unlabelled
+    families above are their sums. Data-parallel routing reads as outstanding tokens and
+    prefix hits per engine; a dead engine reads engine_alive 0."""
+
+    def __init__(self, async_engine) -> None:
+        self.async_engine = async_engine
+
+    def collect(self):
+        views = self.async_engine.engines()
+        families = (
+            (GaugeMetricFamily, "engine_alive", "1 while the engine serves, 0 once it died",
+             lambda v: float(v.alive)),
+            (GaugeMetricFamily, "engine_num_requests_running", "Requests in its running batch",
+             lambda v: v.stats.num_running),
+            (GaugeMetricFamily, "engine_num_requests_waiting", "Requests in its queue",
+             lambda v: v.stats.num_waiting),
+            (GaugeMetricFamily, "engine_kv_cache_usage_perc", "Its KV blocks in use / total",
+             lambda v: v.stats.kv_cache_usage),
+            (GaugeMetricFamily, "engine_outstanding_tokens", "Tokens the router counts as "
+             "still to compute for its requests", lambda v: v.outstanding_tokens),
+            (CounterMetricFamily, "engine_prefix_cache_queries", "Its prompt tokens looked up",
+             lambda v: v.stats.prefix_cache_queries),
+            (CounterMetricFamily, "engine_prefix_cache_hits", "Its prompt tokens found cached",
+             lambda v: v.stats.prefix_cache_hits))
+        for kind, name, doc, value in families:
+            family = kind(f"{PREFIX}{name}", doc, labels=["engine"])
+            for view in views:
+                family.add_metric([str(view.index)], value(view))
+            yield family

@@ -45,8 +45,9 @@ async def watch(engine: AsyncEngine, step_timeout: float | None,
         if age > limit:
             reason = (f"a step has run {age:.1f} s, past the watchdog's {limit:.1f} s "
                       f"(--step-timeout): the engine is stuck")
-            log.critical("%s; ending every stream", reason)
-            engine.stalled(reason)
+            log.critical("%s; ending its streams", reason)
+            if not engine.stalled(reason):  # another data-parallel engine serves on
+                continue
             if on_stall is not None:
                 on_stall(reason)
             return
