@@ -53,3 +53,14 @@ def test_poisson_arrivals_are_repeatable():
     assert arrival_gaps(3, None, 7) == [0.0] * 3
     a = random_requests(3, 8, 4, seed=1)
     assert a == random_requests(3, 8, 4, seed=1) and len(a[0].prompt.split()) == 8
+
+
+def test_shared_prefix_requests_reuse_their_system_prompts():
+    from tritonserve.bench.workload import shared_prefix_requests
+    requests = shared_prefix_requests(40, num_prefixes=3, prefix_len=12, input_len=4,
+                                      output_len=5, seed=1)
+    prefixes = {" ".join(r.prompt.split()[:12]) for r in requests}
+    assert len(prefixes) == 3 and len({r.prompt for r in requests}) > 30
+    assert all(r.input_len == 16 and r.output_len == 5 for r in requests)
+    assert [r.prompt for r in requests] == [r.prompt for r in shared_prefix_requests(
+        40, num_prefixes=3, prefix_len=12, input_len=4, output_len=5, seed=1)]

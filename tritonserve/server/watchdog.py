@@ -3,7 +3,8 @@
 loop, once a second, it compares the running step's age with the limit; past it, the engine
 counts as dead (/health 503 with the reason), every open stream ends with an `engine_dead`
 error event, and `on_stall` runs: the server's main ends the process (exit 1) a moment later,
-for a supervisor to restart it.
+for a supervisor to restart it. With data-parallel engines (server/dp_engine.py) the stuck
+engine alone is killed and its streams ended; the server ends only when none is left.
 
 The limit: `--step-timeout S`; by default the larger of STEP_TIMEOUT_FLOOR and STALL_FACTOR x
 the slowest step seen so far (a long prefill or the first compiled step is not a stall); 0
