@@ -147,8 +147,11 @@ def test_named_tool_choice_gives_a_call_whose_arguments_parse(client, server):
     chunks = list(chat(client, server, tools=[WEATHER], temperature=1.0, seed=6, stream=True,
                        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].function.name == "get_weather"
-    assert set(json.loads(calls[0].function.arguments)) == {"city", "unit"}
+    # the first delta names the call; the arguments follow in pieces as they are written
+    assert calls[0].function.name == "get_weather" and calls[0].id
+    assert all(tc.index == 0 and tc.id is None for tc in calls[1:]) and len(calls) > 2
+    arguments = "".join(tc.function.arguments for tc in calls)
+    assert set(json.loads(arguments)) == {"city", "unit"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -175,12 +178,14 @@ def test_auto_and_none_tool_choice_answer_in_text(client, server):
 
 def test_hermes_tool_calls_are_parsed():
     plan = tool_plan([WEATHER, TIME], "auto")
-    content, calls = plan.parse('Let me check.\n<tool_call>\n{"name": "get_weather", '
-                                '"arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>')
+    content, calls = plan.stream().parse_all(
+        'Let me check.\n<tool_call>\n{"name": "get_weather", '
+        '"arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>')
     assert content == "Let me check." and calls[0].name == "get_weather"
     assert json.loads(calls[0].arguments) == {"city": "Oslo", "unit": "C"}
-    assert plan.parse("just text") == ("just text", [])
-    assert plan.parse("<tool_call>{broken</tool_call>") == ("<tool_call>{broken</tool_call>", [])
+    assert plan.stream().parse_all("just text") == ("just text", [])
+    assert plan.stream().parse_all("<tool_call>{broken</tool_call>") == (
+        "<tool_call>{broken</tool_call>", [])
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

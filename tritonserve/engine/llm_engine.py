@@ -124,6 +124,8 @@ class LLMEngine:
             prefill_after=self._requests.get(prefill_after) if prefill_after else None,
             matcher=(self.grammars.matcher(params.structured)
                      if params.structured is not None else None))
+        if params.structured_after and request.matcher is not None:
+            request.held_matcher, request.matcher = request.matcher, None
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -211,7 +213,11 @@ class LLMEngine:
         if request.first_token_time is None:
             request.first_token_time = now
         token_id = sampled.token_id
-        if request.matcher is not None:
+        if request.held_matcher is not None:  # reasoning: free text until its end tag
+            after = list(params.structured_after)
+            if (request.output_token_ids + [token_id])[-len(after):] == after:
+                request.matcher, request.held_matcher = request.held_matcher, None
+        elif request.matcher is not None:
             if not request.matcher.accept_token(token_id):
                 raise RuntimeError(f"the grammar refused token {token_id}")
             if request.matcher.is_terminated():  # the grammar is complete: EOS came

@@ -37,6 +37,7 @@ class Request:
     num_preemptions: int = 0
     prefill_after: Request | None = None  # a sibling whose prompt prefill this one waits for
     matcher: object | None = None  # xgrammar GrammarMatcher of a structured request
+    held_matcher: object | None = None  # the matcher until params.structured_after appears
 
     @property
     def waits_for_sibling(self) -> bool:

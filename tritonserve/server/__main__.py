@@ -23,7 +23,9 @@ from .app import build_app, drain
 from .common import STATE
 from .config import ServerConfig
 from .dp_engine import DataParallelEngine
+from .reasoning import PARSERS as REASONING_PARSERS
 from .router import POLICIES
+from .tool_parsers import PARSERS as TOOL_PARSERS
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -108,6 +110,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds a step may run before the watchdog ends the engine (every "
                    "stream gets an error event, /health 503, exit 1); default the larger of 60 "
                    "and 20x the slowest step seen; 0: off")
+    p.add_argument("--chat-template", default=v.chat_template,
+                   help="a Jinja file replacing the tokenizer's chat template (requests can "
+                   "never send one)")
+    p.add_argument("--chat-template-timeout", type=float, default=v.chat_template_timeout,
+                   help="seconds one render of the chat template may take (then a 400)")
+    p.add_argument("--reasoning-parser", default=v.reasoning_parser,
+                   choices=("auto", "none", *REASONING_PARSERS),
+                   help="split <think> reasoning into reasoning_content; auto: what the chat "
+                   "template asks for (Qwen3's enable_thinking: qwen3; DeepSeek-R1: deepseek_r1)")
+    p.add_argument("--tool-call-parser", default=v.tool_call_parser,
+                   choices=("auto", *TOOL_PARSERS),
+                   help="the format tool calls are parsed from with tool_choice auto; auto: "
+                   "the chat template's (hermes when it says nothing)")
     p.add_argument("--served-model-name", nargs="+", type=str, default=v.served_model_name,
                    help="the names requests may use (the first is reported); default the "
                    "model folder's name and path")
@@ -178,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = server_config(args)
         engine = build_engine(args)
-    except (ValueError, FileNotFoundError) as exc:  # a bad option or model folder
+        app = build_app(engine, config, engine_thread=False)
+    except (ValueError, FileNotFoundError) as exc:  # a bad option, model folder or template
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    app = build_app(engine, config, engine_thread=False)
     # What start-up built lives as long as the process: out of the collector's sight, the
     # per-step garbage collections stay short (as vLLM does) and exit skips a ~1.5 s final
     # sweep of the model, tokenizers and library modules.

@@ -9,6 +9,7 @@ from aiohttp import web
 from tritonserve.engine import InvalidRequestError, LLMEngine
 
 from .async_engine import AsyncEngine, EngineUnavailableError, OverloadedError
+from .chat_template import ChatTemplate
 from .common import STATE, ApiError, ServerState, json_error
 from .config import ServerConfig
 from .metrics import Metrics
@@ -83,8 +84,11 @@ def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig = ServerConf
     # outermost first: CORS headers on every answer (401s too), preflights before the key
     app = web.Application(middlewares=[cors, json_errors, api_key],
                           client_max_size=config.max_body_bytes)
+    template = ChatTemplate.load(config.chat_template, async_engine.prompts.template_source,
+                                 config.chat_template_timeout, config.reasoning_parser,
+                                 config.tool_call_parser)
     app[STATE] = ServerState(engine=async_engine, metrics=Metrics(async_engine),
-                             config=config)
+                             config=config, template=template)
 
     async def start_engine(app: web.Application) -> None:
         state = app[STATE]

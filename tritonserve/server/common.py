@@ -15,6 +15,8 @@ from tritonserve.engine import Completion, FinishReason, InvalidRequestError, Sa
 from tritonserve.engine.structured import StructuredOutput
 
 from .async_engine import AsyncEngine, StreamFailure, StreamItem
+from .chat_template import ChatTemplate
+from .errors import ApiError
 from .config import ServerConfig
 from .metrics import Metrics
 from .prompts import check_text
@@ -24,12 +26,6 @@ from .schema import SamplingFields, StreamDoneEvent, StreamErrorEvent
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-class ApiError(Exception):
-    """Becomes an HTTP error with a JSON body, always before any SSE byte is sent."""
-
-    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.param = status, code, message, param
 
 
 def error_body(code: str, message: str, param: str | None = None,
@@ -55,6 +51,7 @@ class ServerState:
     # ends the process
     on_stall: Callable[[str], None] | None = None
     watchdog: asyncio.Task | None = None
+    template: ChatTemplate | None = None  # the chat template and its parsers (build_app sets it)
 
 
 STATE = web.AppKey("state", ServerState)
@@ -107,7 +104,8 @@ async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
 # SamplingParams fields a body may set by the same name (nano-vllm's fields() filter); logprobs
 # and max_tokens differ per route and are passed in
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams)
-                         if f.name not in ("logprobs", "max_tokens", "structured"))
+                         if f.name not in ("logprobs", "max_tokens", "structured",
+                                           "structured_after"))
 
 
 def sampling_params(body: SamplingFields, logprobs: int | None,

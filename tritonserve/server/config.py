@@ -19,6 +19,13 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = ()  # the names requests may use; the first is reported
     # server/watchdog.py: a step older than this ends the engine (None: auto; 0: off)
     step_timeout: float | None = None
+    # server/chat_template.py: a template file replacing the tokenizer's, and the seconds a
+    # render may take; server/reasoning.py and server/tool_parsers.py: "auto" = what the
+    # template asks for
+    chat_template: str | None = None
+    chat_template_timeout: float = 5.0
+    reasoning_parser: str = "auto"
+    tool_call_parser: str = "auto"
     # server/dp_engine.py: engine processes behind this front end, and how it picks one
     # (server/router.py's POLICIES)
     data_parallel_size: int = 1
@@ -32,5 +39,8 @@ class ServerConfig:
             raise ValueError("api_key must not be empty")
         if self.step_timeout is not None and self.step_timeout < 0:
             raise ValueError(f"step_timeout must be >= 0 (0: off), got {self.step_timeout}")
+        if self.chat_template_timeout <= 0:
+            raise ValueError(f"chat_template_timeout must be > 0, got "
+                             f"{self.chat_template_timeout}")
         if self.grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, got {self.grace_period}")

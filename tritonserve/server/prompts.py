@@ -18,6 +18,11 @@ from transformers import AutoTokenizer
 
 from tritonserve.engine import InvalidRequestError
 
+from .chat_template import ChatTemplate
+from .config import ServerConfig
+
+DEFAULT_TEMPLATE_TIMEOUT = ServerConfig.chat_template_timeout
+
 
 def max_token_chars(tokenizer) -> int:
     """The most characters one token can stand for. Vocabulary entries are written at least as
@@ -73,9 +78,15 @@ class PromptTokenizer:
         """Token ids -> text (ids outside the vocabulary are the caller's to refuse)."""
         return await self._run(field, self._tokenizer.decode, token_ids)
 
-    async def encode_chat(self, messages: list[dict],
-                          tools: tuple[dict, ...] | None = None) -> list[int]:
-        """The chat template applied to the messages (and tools), tokenized."""
+    @property
+    def template_source(self) -> str | None:
+        """The tokenizer's own chat template (server/chat_template.py may replace it)."""
+        return self._tokenizer.chat_template
+
+    async def encode_chat(self, messages: list[dict], tools: tuple[dict, ...] | None = None,
+                          template: ChatTemplate | None = None,
+                          kwargs: dict | None = None) -> tuple[list[int], str]:
+        """The chat template applied to the messages (and tools), tokenized: (ids, text)."""
         chars = 0
         for i, message in enumerate(messages):
             for key, value in message.items():
@@ -83,13 +94,15 @@ class PromptTokenizer:
                     check_text(f"messages.{i}.{key}", value)
                     chars += len(value)
         self._check_length("messages", chars)
-        return await self._run("messages", self._chat_ids, messages, tools)
+        template = template or ChatTemplate(None, DEFAULT_TEMPLATE_TIMEOUT)
+        return await self._run("messages", self._chat_ids, messages, tools, template,
+                               kwargs or {})
 
-    def _chat_ids(self, messages: list[dict], tools: tuple[dict, ...] | None) -> list[int]:
-        text = self._tokenizer.apply_chat_template(
-            messages, tools=list(tools) if tools else None, tokenize=False,
-            add_generation_prompt=True)
-        return self._tokenizer.encode(text, add_special_tokens=False)
+    def _chat_ids(self, messages: list[dict], tools: tuple[dict, ...] | None,
+                  template: ChatTemplate, kwargs: dict) -> tuple[list[int], str]:
+        text = template.render(self._tokenizer, messages, list(tools) if tools else None,
+                               kwargs)
+        return self._tokenizer.encode(text, add_special_tokens=False), text
 
     def decode_token(self, token_id: int) -> str:
         """One token's text, on the event loop (for logprobs)."""

@@ -10,6 +10,7 @@ grammar in the sampler (server/structured.py); tools and tool_choice by server/t
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from aiohttp import web
@@ -22,13 +23,16 @@ from .operators import request_id as caller_request_id
 from .driver import Choice, Payload, Renderer, respond
 from .schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIFields
 from .structured import structured_output
+from .chat_output import ChatOutput
+from .reasoning import END as REASONING_END
+from .reasoning import ReasoningSplitter
 from .tools import ToolPlan, tool_plan
 
 OPENAI_REASON = {FinishReason.EOS: "stop", FinishReason.STOP: "stop",
                  FinishReason.LENGTH: "length"}
 # documented by OpenAI, not served yet: setting one is a 400 naming it (None / False is unset)
 UNSUPPORTED = ("service_tier", "metadata", "suffix", "functions", "function_call", "audio",
-               "modalities", "prediction", "reasoning_effort", "web_search_options")
+               "modalities", "prediction", "web_search_options")
 
 
 def check_model(state, model: str | None) -> None:
@@ -163,29 +167,23 @@ class CompletionRenderer(OpenAIRenderer):
 
 
 class ChatRenderer(OpenAIRenderer):
+    """Each choice's text goes through a ChatOutput (server/chat_output.py): reasoning split
+    off, tool calls parsed, both as they stream."""
+
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, state, request_id, body, plan: ToolPlan | None,
-                 prompt_len: int) -> None:
+    def __init__(self, state, request_id, body, plan: ToolPlan | None, prompt_len: int,
+                 prompt_text: str = "", reasoning_parser: str | None = None) -> None:
         super().__init__(state, request_id, body, body.logprobs, [prompt_len])
         self._started: set[int] = set()
-        self.plan = plan
-        self._held: dict[int, list[str]] = {}  # streamed text held back for the tool parser
+        self._output = lambda: ChatOutput(reasoning_parser, prompt_text, plan)
+        self._outputs: dict[int, ChatOutput] = {}
 
-    def _message(self, text: str, finish: str) -> tuple[dict, str]:
-        """The assistant message of a finished choice, and its finish_reason."""
-        if self.plan is None:
-            return {"role": "assistant", "content": text}, finish
-        try:
-            content, calls = self.plan.parse(text)
-        except (ValueError, KeyError, TypeError):  # cut off by max_tokens: not a whole call
-            return {"role": "assistant", "content": text}, finish
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [c.wire() for c in calls]
-            finish = "tool_calls" if finish == "stop" else finish
-        return message, finish
+    def _stream_of(self, index: int) -> ChatOutput:
+        if index not in self._outputs:
+            self._outputs[index] = self._output()
+        return self._outputs[index]
 
     def _logprobs(self, tokens) -> dict | None:
         if not self.want_logprobs or not tokens:
@@ -196,36 +194,34 @@ class ChatRenderer(OpenAIRenderer):
                                               for a in t.top_logprobs or ()]}
                             for t in tokens]}
 
-    def _delta(self, index: int, text: str, final: bool) -> dict:
+    def _role(self, index: int, delta: dict) -> dict:
         if index not in self._started:  # the first chunk of each choice names the role
             self._started.add(index)
-            return {"role": "assistant", "content": text}
-        return {"content": text} if text or not final else {}
+            return {"role": "assistant", "content": "", **delta}
+        return delta
 
     def token_chunks(self, index, token) -> list[Payload]:
-        if self.plan is not None and self.plan.buffers_output:
-            self._held.setdefault(index, []).append(token.text)
-            return []
-        return [self.chunk({"index": index, "delta": self._delta(index, token.text, False),
+        delta = self._stream_of(index).delta(token.text)
+        if not delta and not self.want_logprobs and index in self._started:
+            return []  # held back (a tag or a call marker may be starting)
+        return [self.chunk({"index": index, "delta": self._role(index, delta),
                             "logprobs": self._logprobs([token]), "finish_reason": None})]
 
     def finish_chunks(self, index, completion) -> list[Payload]:
+        output = self._stream_of(index)
+        delta = output.final_delta(completion.tail_text)
         finish = OPENAI_REASON[completion.reason]
-        if self.plan is not None and self.plan.buffers_output:
-            text = "".join(self._held.pop(index, [])) + completion.tail_text
-            message, finish = self._message(text, finish)
-            delta = {"role": "assistant", "content": message["content"]}
-            if "tool_calls" in message:
-                delta["tool_calls"] = [{"index": i, **call}
-                                       for i, call in enumerate(message["tool_calls"])]
-            return [self.chunk({"index": index, "delta": delta, "logprobs": None,
-                                "finish_reason": finish})]
-        return [self.chunk({"index": index,
-                            "delta": self._delta(index, completion.tail_text, True),
+        if output.has_calls and finish == "stop":
+            finish = "tool_calls"
+        return [self.chunk({"index": index, "delta": self._role(index, delta),
                             "logprobs": None, "finish_reason": finish})]
 
     def full_choice(self, choice: Choice) -> dict:
-        message, finish = self._message(choice.text, OPENAI_REASON[choice.completion.reason])
+        output = self._output()
+        message = output.message(choice.text)
+        finish = OPENAI_REASON[choice.completion.reason]
+        if output.has_calls and finish == "stop":
+            finish = "tool_calls"
         return {"index": choice.index, "message": message,
                 "logprobs": self._logprobs(choice.tokens), "finish_reason": finish}
 
@@ -276,24 +272,36 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
     check_model(state, body.model)
     _check_supported(body)
-    plan = tool_plan(body.tools, body.tool_choice)
+    template = state.template
+    if body.chat_template is not None:
+        raise ApiError(400, "invalid_request", "a chat template is server configuration "
+                       "(--chat-template), never request data", "chat_template")
+    kwargs = template.kwargs_for(body.chat_template_kwargs, body.reasoning_effort)
+    plan = tool_plan(body.tools, body.tool_choice, template.tool_parser,
+                     body.parallel_tool_calls)
     structured = structured_output(body)
     forced = plan.structured() if plan is not None else None
     if forced is not None and structured is not None:
         raise ApiError(400, "invalid_request", "a required or named tool_choice cannot be "
                        "combined with response_format", "tool_choice")
     messages = [m.for_template() for m in body.messages]
-    prompt_ids = await state.engine.prompts.encode_chat(messages,
-                                                        plan.tools if plan else None)
+    prompt_ids, prompt_text = await state.engine.prompts.encode_chat(
+        messages, plan.tools if plan else None, template, kwargs)
     max_tokens = body.max_completion_tokens
     if max_tokens is None:  # OpenAI's default: whatever the context leaves
         max_tokens = body.max_tokens or max(1, state.engine.card.max_model_len - len(prompt_ids))
     top = body.top_logprobs if body.logprobs else None
     params = sampling_params(body, (top or 0) if body.logprobs else None, max_tokens,
                              forced or structured)
+    if params.structured is not None and template.reasoning_parser is not None \
+            and ReasoningSplitter(template.reasoning_parser, prompt_text).may_reason:
+        # the grammar applies to the answer, after the reasoning (as vLLM does)
+        end = await state.engine.prompts.encode(REASONING_END, "messages", False)
+        params = dataclasses.replace(params, structured_after=tuple(end))
     request_id = _start(request, "chatcmpl")
     items = state.engine.submit(request_id, [prompt_ids], params, arrival, body.n)
-    renderer = ChatRenderer(state, request_id, body, plan, len(prompt_ids))
+    renderer = ChatRenderer(state, request_id, body, plan, len(prompt_ids), prompt_text,
+                            template.reasoning_parser)
     return await respond(request, request_id, items, renderer, body.stream)
 
 

@@ -29,7 +29,9 @@ async def tokenize(request: web.Request) -> web.Response:
     if body.prompt is not None:
         tokens = await prompts.encode(body.prompt, "prompt", body.add_special_tokens)
     else:
-        tokens = await prompts.encode_chat([m.for_template() for m in body.messages])
+        kwargs = state.template.kwargs_for(body.chat_template_kwargs, None)
+        tokens, _ = await prompts.encode_chat([m.for_template() for m in body.messages], None,
+                                              state.template, kwargs)
     return web.json_response({"count": len(tokens), "max_model_len":
                               state.engine.card.max_model_len, "tokens": tokens})
 

@@ -160,8 +160,10 @@ class ChatCompletionRequest(OpenAIFields):
     audio: dict | None = None
     modalities: list[str] | None = None
     prediction: dict | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | None = None  # to templates that read it (server/chat_template.py)
     web_search_options: dict | None = None
+    chat_template_kwargs: dict | None = None  # variables for the template (enable_thinking)
+    chat_template: str | None = None  # refused: a template is server configuration
 
 
 class TokenizeRequest(Strict):
@@ -171,6 +173,7 @@ class TokenizeRequest(Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(Strict):

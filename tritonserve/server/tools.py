@@ -3,36 +3,26 @@ the engine must enforce and how the output becomes `tool_calls`.
 
 - "none": the tools go to the chat template; the output is plain content.
 - "auto" (the default when tools are given): the tools go to the chat template and the output
-  is parsed for the Hermes / Qwen format, `<tool_call>{"name": ..., "arguments": {...}}
-  </tool_call>`; text outside those blocks is the content.
+  is parsed, as it streams, in the format the template writes (server/tool_parsers.py: hermes,
+  llama3_json, mistral); text outside the calls is the content.
 - "required" and a named function: the output is forced by a grammar (so this works on any
   model): a named call's output is its arguments object (its `parameters` schema); a required
-  call's output is {"name": one of the tools, "arguments": its parameters}.
+  call's output is {"name": one of the tools, "arguments": its parameters}. Their arguments
+  stream as they are written too.
+
+`parallel_tool_calls: false` keeps the first call (a forced call is one call by its grammar).
 """
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 
 from tritonserve.engine.structured import StructuredOutput
 
 from .common import ApiError
+from .tool_parsers import ToolCallStream
 
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _ANY_OBJECT = {"type": "object"}
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-    def wire(self, index: int | None = None) -> dict:
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-        return call if index is None else {"index": index, **call}
 
 
 @dataclass(frozen=True)
@@ -40,6 +30,8 @@ class ToolPlan:
     mode: str  # none | auto | required | named
     tools: tuple[dict, ...]  # the OpenAI tool definitions, for the chat template
     name: str | None = None  # the named function
+    parser: str = "hermes"  # auto's format (tool_parsers.PARSERS)
+    single: bool = False  # parallel_tool_calls: false
 
     def _parameters(self, name: str) -> dict:
         for tool in self.tools:
@@ -61,30 +53,12 @@ class ToolPlan:
             return StructuredOutput("json", json.dumps({"anyOf": alternatives}), "tool_choice")
         return None
 
-    @property
-    def buffers_output(self) -> bool:
-        """Streams hold the text back and send the calls at the end."""
-        return self.mode != "none"
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The model's output -> (content, tool calls)."""
-        if self.mode == "named":
-            return None, [ToolCall(self.name, text)]
-        if self.mode == "required":
-            call = json.loads(text)
-            return None, [ToolCall(call["name"], json.dumps(call["arguments"]))]
+    def stream(self) -> ToolCallStream | None:
+        """A parser for one choice's output; None when the output is plain content."""
         if self.mode == "none":
-            return text, []
-        calls = []
-        for block in _HERMES.findall(text):
-            try:
-                call = json.loads(block)
-                calls.append(ToolCall(str(call["name"]),
-                                      json.dumps(call.get("arguments", {}))))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                return text, []  # not a well-formed call: the text is the answer
-        content = _HERMES.sub("", text).strip() if calls else text
-        return content or None, calls
+            return None
+        fmt = self.parser if self.mode == "auto" else self.mode
+        return ToolCallStream(fmt, self.single, self.name)
 
 
 def _check_tools(tools: list[dict]) -> tuple[dict, ...]:
@@ -101,7 +75,8 @@ def _check_tools(tools: list[dict]) -> tuple[dict, ...]:
     return tuple(tools)
 
 
-def tool_plan(tools: list[dict] | None, tool_choice) -> ToolPlan | None:
+def tool_plan(tools: list[dict] | None, tool_choice, parser: str = "hermes",
+              parallel_tool_calls: bool | None = None) -> ToolPlan | None:
     """None when the request involves no tools."""
     if not tools:
         if tool_choice in (None, "none", "auto"):
@@ -109,10 +84,11 @@ def tool_plan(tools: list[dict] | None, tool_choice) -> ToolPlan | None:
         raise ApiError(400, "invalid_request", "tool_choice needs tools", "tool_choice")
     tools = _check_tools(tools)
     if tool_choice is None or tool_choice in ("auto", "none", "required"):
-        return ToolPlan(tool_choice or "auto", tools)
+        return ToolPlan(tool_choice or "auto", tools, None, parser,
+                        parallel_tool_calls is False)
     if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict) \
             and isinstance(tool_choice["function"].get("name"), str):
-        plan = ToolPlan("named", tools, tool_choice["function"]["name"])
+        plan = ToolPlan("named", tools, tool_choice["function"]["name"], parser)
         plan._parameters(plan.name)  # a name that is not in tools is a 400 now
         return plan
     raise ApiError(400, "invalid_request", "tool_choice must be none, auto, required or "
