@@ -9,6 +9,7 @@ setup(
     # `kernels` package).
     packages=find_packages(include=["tritonserve", "tritonserve.*"]),
     package_data={"tritonserve.kernels.cpu": ["*.cpp", "*.h"],
+                  "tritonserve.server": ["static/*.html"],
                   "tritonserve.bench": ["*.sh"]},
     entry_points={"console_scripts": ["tritonserve = tritonserve.cli:main"]},
     python_requires=">=3.10",

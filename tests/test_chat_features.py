@@ -324,3 +324,12 @@ def test_a_missing_template_file_is_refused_at_start(tmp_path):
     from tritonserve.server.chat_template import ChatTemplate
     with pytest.raises(ValueError, match="chat_template: no file"):
         ChatTemplate.load(str(tmp_path / "none.jinja"), None, 1.0)
+
+
+def test_the_conformance_reasoning_check_passes_here(qwen3):
+    import asyncio
+    from tritonserve.bench.conformance import run_checks
+    srv, script = qwen3
+    script.say("<think>\nTwo and two.\n</think>\n\nIt is 4.")
+    (result,) = asyncio.run(run_checks(srv.url, "openai", only=["openai_reasoning_fields"]))
+    assert result.status == "pass", result.evidence

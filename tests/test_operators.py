@@ -90,7 +90,8 @@ def test_x_request_id_round_trip(guarded):
     status, headers, raw = _call(guarded, "/generate", body={**BODY, "stream": True},
                                  headers={**auth, "X-Request-Id": "job-43"})
     assert status == 200 and headers["X-Request-Id"] == "job-43"
-    assert sse_payloads(raw)[-1]["type"] == "done"
+    done = sse_payloads(raw)[-1]
+    assert done["type"] == "done" and done["request_id"] == "job-43"
     status, headers, _ = _call(guarded, body=BODY, headers=auth)  # none given: one is made
     assert status == 200 and headers["X-Request-Id"].startswith("cmpl-")
     status, _, raw = _call(guarded, body=BODY, headers={**auth, "X-Request-Id": "bad id!"})

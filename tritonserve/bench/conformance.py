@@ -2,7 +2,7 @@
 protocol (and the OpenAI streaming dialect) correctly, under the cases that broke others?
 
 tritonserve bench conformance --base-url URL [--api native|openai] [--model NAME]
-    [--only CHECK ...] [--json PATH]
+    [--only CHECK ...] [--json PATH] [--api-key KEY]
 
 One line per check (PASS / FAIL / SKIP, with the evidence); exit 0 only when nothing failed.
 """
@@ -16,11 +16,12 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-from . import checks_native, checks_openai, checks_openai_features
+from . import checks_native, checks_openai, checks_openai_agents, checks_openai_features
 from .checks_native import CheckFailed, Skipped
 
 SUITES = {"native": checks_native.CHECKS,
-          "openai": checks_openai.CHECKS + checks_openai_features.CHECKS}
+          "openai": (checks_openai.CHECKS + checks_openai_features.CHECKS
+                     + checks_openai_agents.CHECKS)}
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Context:
     session: aiohttp.ClientSession
     model: str | None = None
     cache: dict = field(default_factory=dict)
+    api_key: str | None = None  # the server's key (sent with every request)
 
 
 @dataclass
@@ -39,7 +41,8 @@ class CheckResult:
 
 
 async def run_checks(base_url: str, api: str = "native", model: str | None = None,
-                     only: list[str] | None = None, timeout: float = 300) -> list[CheckResult]:
+                     only: list[str] | None = None, timeout: float = 300,
+                     api_key: str | None = None) -> list[CheckResult]:
     checks = SUITES[api]
     names = [c.__name__ for c in checks]
     unknown = sorted(set(only or ()) - set(names))
@@ -47,8 +50,9 @@ async def run_checks(base_url: str, api: str = "native", model: str | None = Non
         raise ValueError(f"unknown checks {unknown}; {api} checks are {names}")
     results = []
     client_timeout = aiohttp.ClientTimeout(total=timeout)
-    async with aiohttp.ClientSession(timeout=client_timeout) as session:
-        ctx = Context(base_url.rstrip("/"), session, model)
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(timeout=client_timeout, headers=auth) as session:
+        ctx = Context(base_url.rstrip("/"), session, model, api_key=api_key)
         for check in checks:
             if only and check.__name__ not in only:
                 continue
@@ -70,10 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api", choices=sorted(SUITES), default="native")
     p.add_argument("--model", default=None)
     p.add_argument("--only", nargs="*", default=None, metavar="CHECK")
+    p.add_argument("--api-key", default=None, help="the server's key: sent with every "
+                   "request, and the 401 check runs")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     try:
-        results = asyncio.run(run_checks(args.base_url, args.api, args.model, args.only))
+        results = asyncio.run(run_checks(args.base_url, args.api, args.model, args.only,
+                                         api_key=args.api_key))
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2

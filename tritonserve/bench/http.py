@@ -12,6 +12,7 @@ class Reply:
     status: int
     content_type: str
     raw: bytes
+    headers: dict | None = None  # lower-cased names
 
     @property
     def payloads(self) -> list[str]:
@@ -26,9 +27,12 @@ class Reply:
         return json.loads(self.raw)
 
 
-async def post(session: aiohttp.ClientSession, url: str, body: dict | bytes) -> Reply:
+async def post(session: aiohttp.ClientSession, url: str, body: dict | bytes,
+               headers: dict | None = None) -> Reply:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     async with session.post(url, data=data,
-                            headers={"Content-Type": "application/json"}) as response:
+                            headers={"Content-Type": "application/json", **(headers or {})}
+                            ) as response:
         raw = await response.read()
-        return Reply(response.status, response.headers.get("Content-Type", ""), raw)
+        return Reply(response.status, response.headers.get("Content-Type", ""), raw,
+                     {k.lower(): v for k, v in response.headers.items()})

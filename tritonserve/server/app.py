@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from aiohttp import web
 
@@ -67,6 +68,15 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
+
+
+async def playground(request: web.Request) -> web.Response:
+    """GET /: the chat page (static; the API calls it makes carry the key the user types)."""
+    return web.Response(body=PLAYGROUND.read_bytes(), content_type="text/html",
+                        charset="utf-8")
+
+
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.Response(body=state.metrics.render(),
@@ -115,6 +125,7 @@ def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig = ServerConf
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
+    app.router.add_get("/", playground)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

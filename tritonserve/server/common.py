@@ -123,9 +123,10 @@ def sampling_params(body: SamplingFields, logprobs: int | None,
         raise ApiError(400, "invalid_request", str(exc), exc.param) from None
 
 
-def done_event(done: Completion) -> StreamDoneEvent:
+def done_event(done: Completion, request_id: str | None = None) -> StreamDoneEvent:
     t = done.timing
     return StreamDoneEvent(
+        request_id=request_id,
         finish_reason=done.reason.value, prompt_tokens=done.prompt_tokens,
         output_tokens=done.output_tokens, text=done.tail_text,
         ttft_ms=t.ttft_s * 1000, total_ms=t.total_s * 1000,

@@ -22,6 +22,7 @@ from aiohttp import web
 from .common import STATE, ApiError, json_error, new_request_id
 
 PROBES = ("/health", "/metrics", "/version")
+PAGES = ("/",)  # the playground: static, no data; its API calls carry the key
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _CORS_METHODS = "GET, POST, OPTIONS"
 _CORS_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Request-Id"
@@ -64,7 +65,8 @@ async def cors(request: web.Request, handler):
 @web.middleware
 async def api_key(request: web.Request, handler):
     config = request.app[STATE].config
-    if config.api_key is None or (request.path in PROBES and not config.auth_probes):
+    if config.api_key is None or request.path in PAGES or (
+            request.path in PROBES and not config.auth_probes):
         return await handler(request)
     if not hmac.compare_digest(_given_key(request).encode(), config.api_key.encode()):
         return json_error(401, "invalid_api_key", "a valid API key is required: "

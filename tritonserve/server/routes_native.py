@@ -29,7 +29,7 @@ class NativeRenderer(Renderer):
         return [token_event(token).model_dump(exclude_none=True)]
 
     def finish(self, index, completion) -> list[Payload]:
-        return [done_event(completion).model_dump()]
+        return [done_event(completion, self.request_id).model_dump(exclude_none=True)]
 
     def failure(self, failure) -> list[Payload]:
         return [failure.model_dump()]
@@ -39,7 +39,7 @@ class NativeRenderer(Renderer):
         done = done_event(choices[0].completion)
         body = {"request_id": self.request_id, "text": choices[0].text,
                 "token_ids": [t.token_id for t in tokens],
-                **done.model_dump(exclude={"type", "text"})}
+                **done.model_dump(exclude={"type", "text", "request_id"})}
         if any(t.logprob is not None for t in tokens):
             body["logprobs"] = [token_event(t).logprobs.model_dump() for t in tokens]
         return body

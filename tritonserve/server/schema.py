@@ -47,6 +47,8 @@ class StreamDoneEvent(Strict):
     queue_wait_ms: float
     execution_ms: float
     tokens_per_s: float
+    # the request's id (the caller's X-Request-Id, else generated), as the response header
+    request_id: str | None = None
 
 
 class StreamErrorEvent(Strict):
