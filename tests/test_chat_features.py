@@ -23,7 +23,7 @@ import pytest
 from tritonserve.server.common import STATE
 from tritonserve.server.reasoning import ReasoningSplitter, pick_parser
 from tritonserve.server import tool_parsers
-from tests.server_util import ServerThread, request, sse_payloads
+from tests.server_util import ServerThread, request
 from tests.tiny_models import write_tiny_model
 
 THINKING_TEMPLATE = """\

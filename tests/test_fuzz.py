@@ -1,7 +1,8 @@
 """A bounded fuzz over the three routes: whatever the body, the answer is never a 5xx, a
 served stream never ends with an engine error, and a normal request still streams correctly
 afterwards. FUZZ_EXAMPLES (default 150 per route) raises the count for a longer run
-(docs/perf-log/2026-11-engine-and-serving.md has the figure of the last one)."""
+(docs/perf-log/2026-11-engine-and-serving.md has the figure of the last one). The server
+speculates (n-gram proposals) on every step it can."""
 from __future__ import annotations
 
 import json
@@ -76,8 +77,11 @@ def body_for(route: str):
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    srv = ServerThread(LLMEngine(build_config(tiny_model, max_num_seqs=8,
-                                              max_model_len=128)))
+    """With n-gram speculation on (one-token matches: proposals on most steps), so every body
+    also runs through the speculating path (engine/speculative.py)."""
+    srv = ServerThread(LLMEngine(build_config(tiny_model, max_num_seqs=8, max_model_len=128,
+                                              speculative_method="ngram",
+                                              num_speculative_tokens=3)))
     yield srv
     srv.stop()
 

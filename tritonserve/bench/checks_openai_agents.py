@@ -38,7 +38,9 @@ async def openai_streamed_tool_deltas(ctx) -> str:
              "temperature": 0}
     whole = await _chat_raw(ctx, **named)
     require(whole.status == 200, f"HTTP {whole.status}: {whole.raw[:200]!r}")
-    call = whole.json()["choices"][0]["message"]["tool_calls"][0]
+    calls = whole.json()["choices"][0]["message"].get("tool_calls") or []
+    require(len(calls) == 1, f"non-streamed tool_calls {calls}")
+    call = calls[0]
     stream = await _chat_raw(ctx, stream=True, **named)
     pieces = [tc for choice in _deltas(stream)
               for tc in (choice.get("delta") or {}).get("tool_calls") or []]
@@ -49,11 +51,18 @@ async def openai_streamed_tool_deltas(ctx) -> str:
             f"the call's id and name must come once: ids {ids}, names {names}")
     require({p.get("index") for p in pieces} == {0}, "every delta of one call has index 0")
     arguments = "".join((p.get("function") or {}).get("arguments") or "" for p in pieces)
-    require(json.loads(arguments) == json.loads(call["function"]["arguments"]),
+    require(_parsed(arguments) == _parsed(call["function"]["arguments"]) is not None,
             f"streamed arguments {arguments!r} != non-streamed "
             f"{call['function']['arguments']!r}")
     return f"{len(pieces)} deltas: id and name once, arguments reassembled = the " \
            f"non-streamed call ({arguments})"
+
+
+def _parsed(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 async def openai_reasoning_fields(ctx) -> str:

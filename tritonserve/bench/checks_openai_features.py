@@ -91,8 +91,12 @@ async def openai_named_tool_call(ctx) -> str:
     calls = choice["message"].get("tool_calls") or []
     require(len(calls) == 1 and calls[0]["function"]["name"] == "get_weather",
             f"tool_calls {calls}")
-    args = json.loads(calls[0]["function"]["arguments"])
-    require(args.get("city") in ("Paris", "Oslo"), f"arguments {args}")
+    try:
+        args = json.loads(calls[0]["function"]["arguments"])
+    except json.JSONDecodeError:
+        args = None
+    require(isinstance(args, dict) and args.get("city") in ("Paris", "Oslo"),
+            f"arguments {calls[0]['function']['arguments']!r}")
     return f"tool_calls[0]: get_weather({calls[0]['function']['arguments']}), " \
            f"finish_reason {choice['finish_reason']}"
 

@@ -71,6 +71,32 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """engine/speculative.py: n-gram proposals verified in one step."""
+
+    method: str | None = None  # None (off) | "ngram"
+    num_speculative_tokens: int = 4  # K proposals a step
+    ngram_min: int = 1  # the shortest suffix looked up
+    ngram_max: int = 4  # the longest, tried first
+    # a step speculates only while at most this many requests decode: past it a step reads
+    # the weights for many rows already and extra rows cost compute (docs/benchmarks.md)
+    max_batch: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "ngram"):
+            raise ValueError(f"speculative_method must be ngram (or unset), got "
+                             f"{self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram_min and ngram_max must satisfy 1 <= ngram_min <= "
+                             f"ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.max_batch}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # local HF folder or .gguf file; None: the embedded SmolLM2
     device: str = "cpu"
@@ -89,6 +115,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

@@ -161,6 +161,18 @@ class KVCacheManager:
             request.block_ids.append(self._take_free_block())
         return True
 
+    def trim(self, request: Request) -> None:
+        """Return the blocks past those its computed tokens need (a speculating step's
+        rejected tail: engine/speculative.py). Their slots were never registered in the prefix
+        cache (only full computed blocks are), and a later step writes a position before any
+        step reads it, so nothing stale is ever read."""
+        keep = self.blocks_needed(request.num_computed_tokens)
+        while len(request.block_ids) > keep:
+            block = request.block_ids.pop()
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+
     def free(self, request: Request) -> None:
         """Return the request's blocks. Tail blocks go to the queue first so that they are
         evicted before the shared prefix blocks."""

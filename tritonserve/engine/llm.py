@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput, TokenOutput
 from .sampling_params import SamplingParams
@@ -11,16 +11,23 @@ from .sampling_params import SamplingParams
 _CACHE_KEYS = {"block_size", "num_blocks", "cache_bytes", "gpu_memory_utilization",
                "enable_prefix_caching"}
 _SCHEDULER_KEYS = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
+# flat names (vLLM's where it has them) -> SpeculativeConfig fields
+_SPECULATIVE_KEYS = {"speculative_method": "method", "num_speculative_tokens":
+                     "num_speculative_tokens", "ngram_min": "ngram_min",
+                     "ngram_max": "ngram_max", "speculative_max_batch": "max_batch"}
 
 
 def build_config(model: str | None = None, **options) -> EngineConfig:
     """Flat keyword options (as on the command line) -> EngineConfig."""
     cache = {k: options.pop(k) for k in list(options) if k in _CACHE_KEYS}
     sched = {k: options.pop(k) for k in list(options) if k in _SCHEDULER_KEYS}
+    spec = {_SPECULATIVE_KEYS[k]: options.pop(k) for k in list(options)
+            if k in _SPECULATIVE_KEYS}
     if "num_blocks" in cache and cache["num_blocks"] is not None:
         cache.setdefault("cache_bytes", None)
     return EngineConfig(model=model, cache=CacheConfig(**cache),
-                        scheduler=SchedulerConfig(**sched), **options)
+                        scheduler=SchedulerConfig(**sched),
+                        speculative=SpeculativeConfig(**spec), **options)
 
 
 class LLM:

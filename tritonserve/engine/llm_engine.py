@@ -29,6 +29,7 @@ from .request_check import RequestChecker
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .speculative import NgramProposer, SpecStats
 from .structured import Grammars
 from .resolve import resolved
 from .tp_runner import make_runner
@@ -57,7 +58,14 @@ class LLMEngine:
         self.runner.allocate(num_blocks, self.max_model_len)
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
                                        config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        spec = config.speculative
+        proposer = (NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
+                    if spec.method == "ngram" else None)
+        plan = self.runner.plan
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, proposer, spec.max_batch,
+                                   self.max_model_len,
+                                   plan.dense_above if plan.dense_above else 1 << 30)
+        self.spec_stats = SpecStats()
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -189,11 +197,22 @@ class LLMEngine:
         for s in schedule.scheduled:
             request = s.request
             try:
-                request.num_computed_tokens += s.num_new_tokens
-                self.kv_cache.cache_full_blocks(request)
-                token = sampled.get(request.request_id)
-                if token is not None:
-                    steps.append(self._on_token(request, token, now))
+                tokens = sampled.get(request.request_id) or []
+                if s.proposals:  # the last token and the accepted proposals are computed
+                    accepted = max(0, len(tokens) - 1)
+                    self.spec_stats.add(len(s.proposals), accepted)
+                    request.num_computed_tokens += 1 + accepted
+                    self.kv_cache.trim(request)  # the rejected tail's slots go back
+                else:
+                    request.num_computed_tokens += s.num_new_tokens
+                    self.kv_cache.cache_full_blocks(request)
+                for token in tokens:  # a stop or max_tokens cuts an accepted run as usual
+                    step = self._on_token(request, token, now)
+                    steps.append(step)
+                    if step.finished:
+                        break
+                if s.proposals and request.request_id in self._requests:
+                    self.kv_cache.cache_full_blocks(request)  # the accepted tokens are in
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 log.exception("output processing failed for %s", request.request_id)
                 if request.request_id in self._requests:

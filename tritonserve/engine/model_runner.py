@@ -24,6 +24,7 @@ from .plan import resolve_plan
 from .request import Request
 from .sampler import SampledToken, Sampler
 from .scheduler import ScheduledRequest, SchedulerOutput
+from .speculative import verify
 
 # the plan's weights quantized at load -> the packed kind and group (kernels/quant_layout.py)
 QUANTIZED_AT_LOAD = {"int4": ("u4", 32), "int4-g64": ("u4", 64), "int4-g128": ("u4", 128),
@@ -38,7 +39,10 @@ class ModelInput:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [S] rows of the hidden states whose logits are sampled
-    sample_requests: list[Request]  # [S]
+    sample_requests: list[Request]  # [S]; a speculating request's K + 1 rows are not here
+    # speculating requests: (request, proposals, the first of its K + 1 rows in
+    # sample_indices after the S sampled ones)
+    spec: tuple[tuple[Request, tuple[int, ...], int], ...] = ()
 
 
 class ModelRunner:
@@ -204,7 +208,7 @@ class ModelRunner:
         process has nothing to check."""
 
     @torch.inference_mode()
-    def execute(self, schedule: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, schedule: SchedulerOutput) -> dict[str, list[SampledToken]]:
         # the record_function ranges name the phases in `bench profile` (no cost otherwise)
         with record_function("prepare"):
             model_input = self.prepare(schedule.scheduled)
@@ -218,20 +222,28 @@ class ModelRunner:
                                                   self.backend))
 
     @torch.inference_mode()
-    def run(self, model_input: ModelInput) -> dict[str, SampledToken]:
-        """The forward, the sampled rows' logits and the draw of a prepared step."""
+    def run(self, model_input: ModelInput) -> dict[str, list[SampledToken]]:
+        """The forward, the sampled rows' logits and the draw of a prepared step: one token a
+        request, or a speculating request's accepted proposals and one more."""
         ctx = ForwardContext(model_input.meta, self.kv_caches, self.backend)
         masks = self.sampler.start_masks(model_input.sample_requests)  # overlaps the forward
         with record_function("forward"):
             hidden = self._forward(model_input, ctx)
-        if not model_input.sample_requests:
+        if not model_input.sample_requests and not model_input.spec:
             return {}
         with record_function("logits"):
             rows = hidden[model_input.sample_indices]
             logits = self._model_for(rows.shape[0]).compute_logits(rows)  # [S, V]
+        out: dict[str, list[SampledToken]] = {}
         with record_function("sampler"):
-            sampled = self.sampler(logits, model_input.sample_requests, masks)
-        return {r.request_id: s for r, s in zip(model_input.sample_requests, sampled)}
+            count = len(model_input.sample_requests)
+            if count:
+                sampled = self.sampler(logits[:count], model_input.sample_requests, masks)
+                out = {r.request_id: [s] for r, s in zip(model_input.sample_requests, sampled)}
+            for request, proposals, first in model_input.spec:
+                out[request.request_id] = verify(logits[first:first + len(proposals) + 1],
+                                                 list(proposals), request)
+        return out
 
     def _forward(self, model_input: ModelInput, ctx: ForwardContext) -> torch.Tensor:
         """hidden [T, hidden]: the plan's decode step for a decode-only step it takes, else
@@ -250,33 +262,50 @@ class ModelRunner:
         return self.model
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInput:
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens != 1]
+        """Decode rows first, then prefill chunks. A speculating request is K + 1 decode rows
+        (its last token, then each proposal) over the same block table, row j at position
+        start + j attending to start + j + 1 positions: every row's K/V is written before
+        any row attends (store first in each attention path; the layers op's write_first)."""
+        decodes = [s for s in scheduled if s.num_new_tokens == 1 or s.proposals]
+        prefills = [s for s in scheduled if s.num_new_tokens != 1 and not s.proposals]
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_indices: list[int] = []
         sample_requests: list[Request] = []
-        for s in decodes + prefills:
+        spec_rows: list[int] = []
+        spec: list[tuple[Request, tuple[int, ...], int]] = []
+        decode_rows: list[ScheduledRequest] = []  # one per decode row (a table and a length)
+        decode_lens: list[int] = []
+        for i, s in enumerate(decodes + prefills):
             r = s.request
             end = s.start + s.num_new_tokens
-            input_ids.extend(r.token_ids[s.start:end])
+            ids = r.token_ids[s.start:end - len(s.proposals)] + list(s.proposals)
+            input_ids.extend(ids)
             positions.extend(range(s.start, end))
             blocks = r.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(s.start, end))
-            if s.samples:
+            if s.proposals:
+                spec.append((r, s.proposals, len(spec_rows)))
+                spec_rows.extend(range(len(input_ids) - len(ids), len(input_ids)))
+            elif s.samples:
                 sample_indices.append(len(input_ids) - 1)
                 sample_requests.append(r)
+            if i < len(decodes):
+                decode_rows.extend([s] * s.num_new_tokens)
+                decode_lens.extend(range(s.start + 1, end + 1))
+        spec = [(r, proposals, len(sample_indices) + first) for r, proposals, first in spec]
+        sample_indices.extend(spec_rows)
         cu = [0]
         for s in prefills:
             cu.append(cu[-1] + s.num_new_tokens)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=self._block_table(decodes),
-            decode_seq_lens=self._tensor([s.start + 1 for s in decodes], torch.int32),
-            decode_max_seq_len=max((s.start + 1 for s in decodes), default=0),
+            num_decode_tokens=len(decode_rows),
+            decode_block_tables=self._block_table(decode_rows),
+            decode_seq_lens=self._tensor(decode_lens, torch.int32),
+            decode_max_seq_len=max(decode_lens, default=0),
             prefill_block_tables=self._block_table(prefills),
             prefill_seq_lens=self._tensor([s.start + s.num_new_tokens for s in prefills],
                                           torch.int32),
@@ -285,7 +314,8 @@ class ModelRunner:
         )
         return ModelInput(self._tensor(input_ids, torch.int64),
                           self._tensor(positions, torch.int64), meta,
-                          self._tensor(sample_indices, torch.int64), sample_requests)
+                          self._tensor(sample_indices, torch.int64), sample_requests,
+                          tuple(spec))
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -7,6 +7,10 @@ order. A failed block allocation is the single back-pressure signal: it preempts
 recently arrived running request (its blocks are freed and it is recomputed later). The
 choices of an n > 1 request wait until their first sibling has computed the shared prompt,
 then take its full blocks from the prefix cache: the prompt is prefilled once.
+
+With speculative decoding (engine/speculative.py) a decoding request may also carry up to K
+proposed tokens: it asks for 1 + K tokens of budget and KV slots, and the engine keeps the
+slots of the accepted ones only. A step proposes only while at most max_batch requests run.
 """
 from __future__ import annotations
 
@@ -17,19 +21,21 @@ from dataclasses import dataclass
 from .config import SchedulerConfig
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
+from .speculative import NgramProposer, eligible
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
     start: int  # first position computed this step (== num_computed_tokens at schedule time)
-    num_new_tokens: int
+    num_new_tokens: int  # the proposals included
+    proposals: tuple[int, ...] = ()  # speculated tokens after the last one, to verify
 
     @property
     def samples(self) -> bool:
         """True when this step computes the request's last known token, so its logits
         give the next token; False for a chunk in the middle of a prompt."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens - len(self.proposals) == self.request.num_tokens
 
 
 @dataclass(frozen=True)
@@ -47,9 +53,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 proposer: NgramProposer | None = None, speculate_below: int = 0,
+                 max_model_len: int = 0, max_rows: int = 1 << 30) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.proposer = proposer
+        self.speculate_below = speculate_below  # at most this many running requests
+        self.max_model_len = max_model_len
+        # decode rows a speculating step may reach: a step past the plan's dense_above would
+        # run other weights (engine/plan.py) than the same step without proposals
+        self.max_rows = max_rows
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -75,10 +89,27 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
 
+        speculate = self.proposer is not None and len(self.running) <= self.speculate_below
+        room = self.max_rows - len(self.running)  # proposals this step may add
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            proposals: tuple[int, ...] = ()
+            if speculate and num_new == 1 and eligible(request):
+                proposals = tuple(self.proposer.propose(request.token_ids, min(
+                    budget - 1, room, request.params.max_tokens - request.num_output_tokens - 1,
+                    self.max_model_len - request.num_tokens - 1)))
+                num_new += len(proposals)
+                room -= len(proposals)
+                if proposals and not self.kv_cache.allocate(request, num_new):
+                    proposals, num_new = (), 1  # no room for them: decode as usual
+                elif proposals:
+                    scheduled.append(ScheduledRequest(request, request.num_computed_tokens,
+                                                      num_new, proposals))
+                    budget -= num_new
+                    index += 1
+                    continue
             while not self.kv_cache.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)

@@ -193,7 +193,8 @@ class TensorParallelRunner:
     def execute(self, schedule: SchedulerOutput) -> dict:
         model_input = self.local.prepare(schedule.scheduled)
         try:
-            self._broadcast(("forward", dataclasses.replace(model_input, sample_requests=[])))
+            self._broadcast(("forward", dataclasses.replace(model_input, sample_requests=[],
+                                                                 spec=())))
             return self.local.run(model_input)
         except Exception as exc:
             self.dead = self.dead or f"{type(exc).__name__}: {exc}"  # the ranks are out of step

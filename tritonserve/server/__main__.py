@@ -16,7 +16,9 @@ from aiohttp import web
 from tritonserve.engine import LLMEngine
 from tritonserve.engine.tp_runner import serve_rank
 from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, QUANTIZATIONS,
-                                       CacheConfig, EngineConfig, SchedulerConfig)
+                                       CacheConfig, EngineConfig, SchedulerConfig,
+                                       SpeculativeConfig)
+from tritonserve.engine.speculative import METHODS as SPECULATIVE_METHODS
 from tritonserve.engine.llm import build_config
 
 from .app import build_app, drain
@@ -41,7 +43,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Every default is read from the config dataclasses: none is written here again."""
-    e, c, q, v = EngineConfig, CacheConfig, SchedulerConfig, ServerConfig
+    e, c, q, v, sp = EngineConfig, CacheConfig, SchedulerConfig, ServerConfig, SpeculativeConfig
     backends = ["auto", "torch", "triton"]
     p = argparse.ArgumentParser(prog="tritonserve serve")
     p.add_argument("--model", default=e.model,
@@ -82,6 +84,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    choices=POLICIES, help="prefix: the engine holding the longest cached "
                    "prefix of the prompt, unless it is much busier than the least loaded; "
                    "least-tokens: fewest outstanding tokens; random")
+    p.add_argument("--speculative-method", default=sp.method, choices=SPECULATIVE_METHODS,
+                   help="ngram: proposals looked up in the request's own tokens, verified in "
+                   "one step (greedy token-identical, sampling exact); off by default")
+    p.add_argument("--num-speculative-tokens", type=int, default=sp.num_speculative_tokens)
+    p.add_argument("--ngram-min", type=int, default=sp.ngram_min)
+    p.add_argument("--ngram-max", type=int, default=sp.ngram_max)
+    p.add_argument("--speculative-max-batch", type=int, default=sp.max_batch,
+                   help="a step speculates only while at most this many requests run")
     p.add_argument("--decode-mode", default=e.decode_mode, choices=CLI_DECODE_MODES,
                    help="decode steps: auto (CUDA graphs on CUDA; on the CPU the layer stack as "
                    "one C++ op in fp32 and bf16, torch.compile where that op does not take the "
@@ -157,7 +167,10 @@ def engine_config(args: argparse.Namespace):
         attention_backend=args.attention_backend, sampler_backend=args.sampler_backend,
         load_format=args.load_format, quantization=args.quantization,
         decode_mode=args.decode_mode, tensor_parallel_size=args.tensor_parallel_size,
-        decode_buckets=args.decode_buckets, seed=args.seed))
+        decode_buckets=args.decode_buckets, seed=args.seed,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max, speculative_max_batch=args.speculative_max_batch))
 
 
 async def serve_http(app: web.Application, args: argparse.Namespace,

@@ -84,6 +84,9 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens whose KV blocks were found
+    spec_drafts: int = 0  # speculating request-steps (engine/speculative.py), since start
+    spec_draft_tokens: int = 0  # proposals verified
+    spec_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass(frozen=True)
@@ -360,10 +363,10 @@ class AsyncEngine:
 
 
 def stats_of(engine: LLMEngine) -> EngineStats:
-    prefix = engine.kv_cache.stats
+    prefix, spec = engine.kv_cache.stats, engine.spec_stats
     return EngineStats(engine.num_running, engine.num_waiting, engine.kv_cache.usage,
                        engine.scheduler.num_preemptions, prefix.queried_tokens,
-                       prefix.hit_tokens)
+                       prefix.hit_tokens, spec.steps, spec.proposed, spec.accepted)
 
 
 def card_of(engine: LLMEngine, served_names: tuple[str, ...] = ()) -> ModelCard:

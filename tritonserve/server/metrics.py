@@ -80,7 +80,14 @@ class _EngineCounters:
                  stats.prefix_cache_queries),
                 ("prefix_cache_hits", "Prompt tokens whose KV blocks the prefix cache held",
                  stats.prefix_cache_hits),
-                ("num_preemptions", "Requests preempted for KV blocks", stats.num_preemptions)):
+                ("num_preemptions", "Requests preempted for KV blocks", stats.num_preemptions),
+                # vLLM's spec_decode_* counters: acceptance rate = accepted / draft tokens,
+                # mean accepted length = 1 + accepted / drafts
+                ("spec_decode_num_drafts", "Speculating request-steps", stats.spec_drafts),
+                ("spec_decode_num_draft_tokens", "Proposed tokens verified",
+                 stats.spec_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                 stats.spec_accepted_tokens)):
             yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=value)
 
 

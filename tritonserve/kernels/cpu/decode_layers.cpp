@@ -112,7 +112,7 @@ struct Team {
   // every (row, KV head)'s rope and K/V write, the items' attention, the split parts merged
   void attention_phase(int64_t l) {
     const int64_t kv_heads = st.kv_heads, M = st.M;
-    if (st.split) {  // every (row, KV head)'s rope and write before any part reads them
+    if (st.write_first) {  // every (row, KV head)'s rope and write before any part reads them
       for (int64_t r = t; r < M * kv_heads; r += team)
         rope_store(l, r / kv_heads, r % kv_heads, r % kv_heads + 1);
       meet(Phase::kAttention);
@@ -123,7 +123,7 @@ struct Team {
       const Item it = work.at(item);
       const Item after = following < work.count ? work.at(following) : it;
       const int64_t b = work.seq(item);
-      if (!st.split) rope_store(l, b, it.h0, it.h1);
+      if (!st.write_first) rope_store(l, b, it.h0, it.h1);
       attend(l, it, following < work.count ? &after : nullptr, b);
       item = following;
     }

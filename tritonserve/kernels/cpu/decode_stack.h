@@ -96,6 +96,9 @@ struct Stack {
   std::unique_ptr<std::atomic<int64_t>[]> next;  // a layer's next attention item
   std::unique_ptr<tritonserve_sweep::Items> work;
   bool split = false;  // a split call: rope + K/V writes first, the parts merged after
+  // rope + K/V writes first: a split call, or rows of one sequence (a speculating request's
+  // K + 1 rows: engine/speculative.py), where a row attends to the rows before it
+  bool write_first = false;
   // the attention instance for the shapes (the item's KV heads [h0, h1))
 #ifdef TS_AVX512_BF16
   tritonserve_decode_bf16::SeqFn bf16_attend = nullptr;
@@ -226,6 +229,16 @@ struct Stack {
                                                       tables.size(1), kv_heads, threads,
                                                       block_size, kBf16);
     split = work->parts > 1;
+    write_first = split;
+    {
+      const int32_t* tp = tables.data_ptr<int32_t>();
+      const int64_t width = tables.size(1);
+      std::vector<int32_t> firsts;
+      firsts.reserve(M);
+      for (int64_t r = 0; r < M && width > 0; ++r) firsts.push_back(tp[r * width]);
+      std::sort(firsts.begin(), firsts.end());
+      write_first = write_first || std::adjacent_find(firsts.begin(), firsts.end()) != firsts.end();
+    }
     if (split) {
       scratch = torch::empty({work->scratch_floats(a.num_heads, D)},
                              a.x.options().dtype(torch::kFloat32));
