@@ -10,7 +10,7 @@ setup(
     packages=find_packages(include=["tritonserve", "tritonserve.*"]),
     package_data={"tritonserve.kernels.cpu": ["*.cpp", "*.h"],
                   "tritonserve.server": ["static/*.html"],
-                  "tritonserve.bench": ["*.sh"]},
+                  "tritonserve.bench": ["*.sh", "data/*.jsonl"]},
     entry_points={"console_scripts": ["tritonserve = tritonserve.cli:main"]},
     python_requires=">=3.10",
     install_requires=[

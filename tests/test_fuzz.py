@@ -81,7 +81,8 @@ def server(tiny_model):
     also runs through the speculating path (engine/speculative.py)."""
     srv = ServerThread(LLMEngine(build_config(tiny_model, max_num_seqs=8, max_model_len=128,
                                               speculative_method="ngram",
-                                              num_speculative_tokens=3)))
+                                              num_speculative_tokens=3, ngram_min=1,
+                                              speculative_min_acceptance=0.0)))
     yield srv
     srv.stop()
 

@@ -20,7 +20,9 @@ from tritonserve.engine.speculative import NgramProposer
 from tests.server_util import ServerThread, metric, request, sse_payloads
 from tests.test_server import validate_native
 
-SPEC = dict(speculative_method="ngram", num_speculative_tokens=4)
+# proposals on every step they can: one-token matches, whatever was accepted before
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1,
+            speculative_min_acceptance=0.0)
 REPEATS = ["one two three four five one two three four five one two three",
            "the cat sat on the mat. the cat sat on the mat. the cat",
            "a b c d e f g h a b c d e f g h a b c"]
@@ -181,11 +183,11 @@ def test_rejected_slots_are_given_back_and_never_read(tiny_model):
         for step in engine.step():
             if step.token is not None:
                 tokens[step.request_id].append(step.token.token_id)
-        for request in engine._requests.values():  # poison every slot past the computed
-            assert len(request.block_ids) == engine.kv_cache.blocks_needed(
-                request.num_computed_tokens)
-            for position in range(request.num_computed_tokens, len(request.block_ids) * bs):
-                block, offset = request.block_ids[position // bs], position % bs
+        for live in engine._requests.values():  # poison every slot past the computed ones
+            assert len(live.block_ids) == engine.kv_cache.blocks_needed(
+                live.num_computed_tokens)
+            for position in range(live.num_computed_tokens, len(live.block_ids) * bs):
+                block, offset = live.block_ids[position // bs], position % bs
                 for k_cache, v_cache in engine.runner.kv_caches:
                     k_cache[block, offset] = float("nan")
                     v_cache[block, offset] = float("nan")
@@ -230,8 +232,32 @@ def test_stream_and_metrics_with_speculation(tiny_model):
         accepted = metric(srv.port, "tritonserve:spec_decode_num_accepted_tokens_total")
         assert drafts > 0 and 0 <= accepted <= drafts
         assert metric(srv.port, "tritonserve:spec_decode_num_drafts_total") > 0
+        import asyncio
+        import aiohttp
+        from tritonserve.bench.serve import spec_counters, speculation
+
+        async def read():
+            async with aiohttp.ClientSession() as session:
+                return await spec_counters(session, srv.url)
+        before = asyncio.run(read())
+        request(srv.port, "POST", "/generate", {"prompt": REPEATS[1], "max_tokens": 20,
+                                                "temperature": 0, "ignore_eos": True})
+        spec = speculation(before, asyncio.run(read()))  # what bench serve prints
+        assert spec["num_draft_tokens"] > 0
+        assert 0 <= spec["acceptance_rate"] <= 1 and spec["mean_accepted_length"] >= 1
     finally:
         srv.stop()
+
+
+def test_a_request_whose_proposals_fail_stops_proposing_for_a_while(tiny_model):
+    ids = list(range(3, 300))  # one-token matches everywhere, proposals nearly always wrong
+    random.Random(1).shuffle(ids)
+    params = SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True)
+    always = LLM(tiny_model, dtype="float32", **SPEC)
+    always.generate([ids], params)
+    adaptive = LLM(tiny_model, dtype="float32", **{**SPEC, "speculative_min_acceptance": 0.3})
+    adaptive.generate([ids], params)
+    assert 0 < adaptive.engine.spec_stats.steps < always.engine.spec_stats.steps / 3
 
 
 def test_the_options_are_checked(tiny_model):

@@ -128,7 +128,38 @@ def sampling_fields(args) -> dict:
                                             ("top_p", args.top_p)) if value is not None}
 
 
-async def run(args, requests) -> tuple[list[RequestRecord], float]:
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+async def spec_counters(session: aiohttp.ClientSession, base_url: str) -> dict | None:
+    """The server's speculative-decoding counters (vLLM's spec_decode_*), or None when it
+    has none (or no /metrics)."""
+    try:
+        async with session.get(base_url + "/metrics") as response:
+            text = await response.text() if response.status == 200 else ""
+    except aiohttp.ClientError:
+        return None
+    found = {}
+    for line in text.splitlines():
+        for name in SPEC_COUNTERS:
+            for prefix in ("tritonserve:", "vllm:"):
+                if line.startswith(f"{prefix}spec_decode_{name}_total"):
+                    found[name] = found.get(name, 0.0) + float(line.split()[-1])
+    return found if len(found) == len(SPEC_COUNTERS) else None
+
+
+def speculation(before: dict | None, after: dict | None) -> dict | None:
+    """Acceptance rate and mean accepted length over the run (between two readings)."""
+    if before is None or after is None:
+        return None
+    d = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+    if not d["num_draft_tokens"]:
+        return {"acceptance_rate": None, "mean_accepted_length": None, **d}
+    return {"acceptance_rate": d["num_accepted_tokens"] / d["num_draft_tokens"],
+            "mean_accepted_length": 1 + d["num_accepted_tokens"] / d["num_drafts"], **d}
+
+
+async def run(args, requests) -> tuple[list[RequestRecord], float, dict | None]:
     gaps = arrival_gaps(len(requests), args.request_rate, args.seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
     progress = Progress(len(requests))
@@ -142,6 +173,7 @@ async def run(args, requests) -> tuple[list[RequestRecord], float]:
             progress.update(record)
             return record
 
+        before = await spec_counters(session, args.base_url)
         start = time.perf_counter()
         tasks = []
         for req, gap in zip(requests, gaps):
@@ -149,7 +181,9 @@ async def run(args, requests) -> tuple[list[RequestRecord], float]:
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(one(req)))
         records = await asyncio.gather(*tasks)
-        return list(records), time.perf_counter() - start
+        duration = time.perf_counter() - start
+        return list(records), duration, speculation(before, await spec_counters(
+            session, args.base_url))
 
 
 def parse_slo(items: list[str] | None) -> dict:
@@ -205,9 +239,14 @@ def main(argv: list[str] | None = None) -> int:
                                               args.output_len, args.seed, tokenizer)
     else:
         requests = jsonl_requests(args.dataset, args.num_prompts, args.output_len, args.seed)
-    records, duration = asyncio.run(run(args, requests))
+    records, duration, spec = asyncio.run(run(args, requests))
     summary = summarize(records, duration, parse_slo(args.goodput))
+    summary["speculation"] = spec
     print_table(summary, args)
+    if spec is not None and spec["acceptance_rate"] is not None:
+        print(f"speculation: {spec['acceptance_rate']:.1%} of {spec['num_draft_tokens']:.0f} "
+              f"proposed tokens accepted, mean accepted length "
+              f"{spec['mean_accepted_length']:.2f}")
     for record in records:
         if record.protocol_error:
             print(f"protocol error: {record.protocol_error}")

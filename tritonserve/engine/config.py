@@ -75,12 +75,15 @@ class SpeculativeConfig:
     """engine/speculative.py: n-gram proposals verified in one step."""
 
     method: str | None = None  # None (off) | "ngram"
-    num_speculative_tokens: int = 4  # K proposals a step
-    ngram_min: int = 1  # the shortest suffix looked up
+    num_speculative_tokens: int = 3  # K proposals a step
+    ngram_min: int = 2  # the shortest suffix looked up
     ngram_max: int = 4  # the longest, tried first
     # a step speculates only while at most this many requests decode: past it a step reads
     # the weights for many rows already and extra rows cost compute (docs/benchmarks.md)
     max_batch: int = 4
+    # a request whose running share of accepted proposals falls below this stops proposing
+    # for a while (engine/speculative.py); 0: always propose
+    min_acceptance: float = 0.3
 
     def __post_init__(self) -> None:
         if self.method not in (None, "ngram"):
@@ -94,6 +97,9 @@ class SpeculativeConfig:
                              f"ngram_max, got {self.ngram_min} and {self.ngram_max}")
         if self.max_batch < 1:
             raise ValueError(f"speculative_max_batch must be >= 1, got {self.max_batch}")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"speculative_min_acceptance must be in [0, 1], got "
+                             f"{self.min_acceptance}")
 
 
 @dataclass(frozen=True)

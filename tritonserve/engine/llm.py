@@ -14,7 +14,8 @@ _SCHEDULER_KEYS = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
 # flat names (vLLM's where it has them) -> SpeculativeConfig fields
 _SPECULATIVE_KEYS = {"speculative_method": "method", "num_speculative_tokens":
                      "num_speculative_tokens", "ngram_min": "ngram_min",
-                     "ngram_max": "ngram_max", "speculative_max_batch": "max_batch"}
+                     "ngram_max": "ngram_max", "speculative_max_batch": "max_batch",
+                     "speculative_min_acceptance": "min_acceptance"}
 
 
 def build_config(model: str | None = None, **options) -> EngineConfig:

@@ -29,7 +29,7 @@ from .request_check import RequestChecker
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .speculative import NgramProposer, SpecStats
+from .speculative import NgramProposer, SpecStats, record_acceptance
 from .structured import Grammars
 from .resolve import resolved
 from .tp_runner import make_runner
@@ -64,7 +64,8 @@ class LLMEngine:
         plan = self.runner.plan
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, proposer, spec.max_batch,
                                    self.max_model_len,
-                                   plan.dense_above if plan.dense_above else 1 << 30)
+                                   plan.dense_above if plan.dense_above else 1 << 30,
+                                   spec.min_acceptance)
         self.spec_stats = SpecStats()
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -201,6 +202,7 @@ class LLMEngine:
                 if s.proposals:  # the last token and the accepted proposals are computed
                     accepted = max(0, len(tokens) - 1)
                     self.spec_stats.add(len(s.proposals), accepted)
+                    record_acceptance(request, len(s.proposals), accepted)
                     request.num_computed_tokens += 1 + accepted
                     self.kv_cache.trim(request)  # the rejected tail's slots go back
                 else:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from .config import SchedulerConfig
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
-from .speculative import NgramProposer, eligible
+from .speculative import NgramProposer, eligible, worth_proposing
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  proposer: NgramProposer | None = None, speculate_below: int = 0,
-                 max_model_len: int = 0, max_rows: int = 1 << 30) -> None:
+                 max_model_len: int = 0, max_rows: int = 1 << 30,
+                 min_acceptance: float = 0.0) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.proposer = proposer
@@ -64,6 +65,7 @@ class Scheduler:
         # decode rows a speculating step may reach: a step past the plan's dense_above would
         # run other weights (engine/plan.py) than the same step without proposals
         self.max_rows = max_rows
+        self.min_acceptance = min_acceptance
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -96,7 +98,8 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             proposals: tuple[int, ...] = ()
-            if speculate and num_new == 1 and eligible(request):
+            if speculate and num_new == 1 and eligible(request) \
+                    and worth_proposing(request, self.min_acceptance):
                 proposals = tuple(self.proposer.propose(request.token_ids, min(
                     budget - 1, room, request.params.max_tokens - request.num_output_tokens - 1,
                     self.max_model_len - request.num_tokens - 1)))

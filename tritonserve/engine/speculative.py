@@ -17,6 +17,10 @@ for position j given the proposals before it; `verify` accepts proposals in orde
   bonus draw. For a deterministic proposal this is rejection sampling with q = the point mass
   at t: every emitted token has exactly the target distribution.
 
+A request whose proposals keep failing stops proposing for a while (`worth_proposing`): each
+rejected row costs a share of a step (a 4-row step took ~1.5x a 1-row one on the embedded
+model, docs/benchmarks.md), so text with chance one-token matches would run slower.
+
 What cannot be kept exact yet runs without speculation (`eligible`): penalties, logit_bias
 and min_tokens (their state would have to move per position), a seed (the per-position seeded
 draw would change), a grammar, and logprobs.
@@ -73,6 +77,23 @@ class SpecStats:
         self.proposed += proposed
         self.accepted += accepted
         self.steps += 1
+
+
+ACCEPTANCE_DECAY = 0.7  # the running mean keeps this much of its past at each verification
+ACCEPTANCE_RECOVERY = 0.02  # a step without proposals regains this much: tries again in ~10
+
+
+def worth_proposing(request: Request, floor: float) -> bool:
+    """floor: SpeculativeConfig.min_acceptance."""
+    if request.spec_acceptance >= floor:
+        return True
+    request.spec_acceptance += ACCEPTANCE_RECOVERY
+    return False
+
+
+def record_acceptance(request: Request, proposed: int, accepted: int) -> None:
+    request.spec_acceptance = (ACCEPTANCE_DECAY * request.spec_acceptance
+                               + (1 - ACCEPTANCE_DECAY) * accepted / proposed)
 
 
 def eligible(request: Request) -> bool:

@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ngram-max", type=int, default=sp.ngram_max)
     p.add_argument("--speculative-max-batch", type=int, default=sp.max_batch,
                    help="a step speculates only while at most this many requests run")
+    p.add_argument("--speculative-min-acceptance", type=float, default=sp.min_acceptance,
+                   help="a request whose share of accepted proposals falls below this "
+                   "stops proposing for ~10 steps (0: always propose)")
     p.add_argument("--decode-mode", default=e.decode_mode, choices=CLI_DECODE_MODES,
                    help="decode steps: auto (CUDA graphs on CUDA; on the CPU the layer stack as "
                    "one C++ op in fp32 and bf16, torch.compile where that op does not take the "
@@ -170,7 +173,8 @@ def engine_config(args: argparse.Namespace):
         decode_buckets=args.decode_buckets, seed=args.seed,
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max, speculative_max_batch=args.speculative_max_batch))
+        ngram_max=args.ngram_max, speculative_max_batch=args.speculative_max_batch,
+        speculative_min_acceptance=args.speculative_min_acceptance))
 
 
 async def serve_http(app: web.Application, args: argparse.Namespace,
