@@ -29,13 +29,8 @@ bench() {  # name port concurrency prompts output_len seed extra...
     --num-prompts "$n" --max-concurrency "$c" --input-len 64 --output-len "$len" \
     --tokenizer "$model" --seed "$seed" --result-json "$out/$name.json" "$@" > "$out/$name.txt"
 }
-machine() {
-$py -c "
-import json
-from tritonserve.bench.cpu_decode import read_gbps
-read = read_gbps()
-print(json.dumps({'read_GB/s': round(read, 1), 'floor_1_stream_tok/s': round(read / 0.0964, 1)}))"
-}
+source tritonserve/bench/machine.sh
+
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
 serve one 8131

@@ -29,13 +29,8 @@ bench() {  # name port concurrency prompts output_len seed extra...
   grep -E "Output token throughput|Total generated|Median TPOT" "$out/$name.txt" | sed "s/^/$name: /"
 }
 wait_ready() { until curl -sf "http://127.0.0.1:$1/v1/models" > /dev/null; do sleep 2; done; }
-machine() {  # the read rate as `tritonserve bench cpu-linear` measures it (best of 5)
-$py -c "
-import json
-from tritonserve.bench.cpu_decode import read_gbps
-read = read_gbps()
-print(json.dumps({'read_GB/s': round(read, 1), 'floor_1_stream_tok/s': round(read / 0.0964, 1)}))"
-}
+source tritonserve/bench/machine.sh
+
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
 $py -m tritonserve.server --port 8123 --served-model-name smollm2 > "$out/ours.log" 2>&1 &

@@ -15,13 +15,8 @@ out=${OUT:-results/spec}
 mkdir -p "$out"
 model=$($py -c "from tritonserve.engine.default_model import default_model_path; print(default_model_path())")
 counters() { curl -sf "http://127.0.0.1:8152/metrics" | grep '^tritonserve:spec_decode' || true; }
-machine() {
-$py -c "
-import json
-from tritonserve.bench.cpu_decode import read_gbps
-read = read_gbps()
-print(json.dumps({'read_GB/s': round(read, 1), 'floor_1_stream_tok/s': round(read / 0.0964, 1)}))"
-}
+source tritonserve/bench/machine.sh
+
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
 $py -m tritonserve.server --port 8151 --max-num-seqs 64 > "$out/plain.log" 2>&1 & pids+=($!)
