@@ -190,11 +190,17 @@ def test_a_killed_engine_ends_its_own_streams_and_leaves_rotation(tiny_model):
             results[name] = generate(srv, {"prompt": prompt, "max_tokens": 400,
                                            "ignore_eos": True})
 
+        def routed() -> int:
+            return sum(engine.router.engines[i].requests for i in (0, 1))
+
         threads = [threading.Thread(target=client, args=(n, p))
                    for n, p in (("a", "one two three"), ("b", "four five six"))]
-        for t in threads:
+        for count, t in enumerate(threads, 1):
             t.start()
-            time.sleep(0.2)  # "a" is on engine 0 and counted before "b" is routed: engine 1
+            deadline = time.monotonic() + 30  # "a" is counted before "b" is routed
+            while routed() < count:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
         owners = [engine.router.engines[i].requests for i in (0, 1)]
         assert owners == [1, 1], owners
         victim = engine._engines[0]
@@ -232,9 +238,11 @@ def test_the_watchdog_takes_a_stuck_engine_out_and_the_other_serves_on(tiny_mode
 
         thread = threading.Thread(target=client)
         thread.start()
-        time.sleep(0.3)
-        busy = [i for i in (0, 1) if engine.router.engines[i].requests]
-        assert len(busy) == 1
+        deadline = time.monotonic() + 30
+        while not (busy := [i for i in (0, 1) if engine.router.engines[i].requests]):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.2)  # a few steps streamed
         os.kill(engine._engines[busy[0]].pid, signal.SIGSTOP)  # a step that never ends
         thread.join(30)
         assert stuck["events"][-1].type == "error" and stuck["events"][-1].code == "engine_dead"

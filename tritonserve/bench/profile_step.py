@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ab-direct", type=int, default=0, metavar="N",
                         help="blocks of N steps: direct graph calls against Dynamo's path")
     args = parser.parse_args(argv)
+    for name in ("steps", "profile_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
 
     from torch.profiler import ProfilerActivity, profile
 
