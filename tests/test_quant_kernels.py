@@ -118,6 +118,22 @@ def test_the_op_matches_the_reference(kind, dtype):
 
 
 @needs_library
+@pytest.mark.parametrize("kind", ["u4", "s8"])
+def test_bf16_rows_up_to_four_do_not_depend_on_their_company(kind):
+    """A row's bf16 result is bit-identical whether the call has 1, 2, 3 or 4 rows (the
+    one-row path's sums): a speculating step's K + 1 rows then give one row's tokens."""
+    op = torch.ops.tritonserve.packed_linear_quant
+    for k in (96, 576):  # an odd and an even number of groups
+        d, q, m = _random(kind, 50, k, seed=k + 1)
+        packed = quant_layout.pack(kind, d, q, m)
+        bias = torch.randn(50)
+        x = torch.randn(4, k).to(torch.bfloat16)
+        alone = torch.cat([op(x[r:r + 1], packed, 50, bias) for r in range(4)])
+        for rows in (2, 3, 4):
+            assert torch.equal(op(x[:rows], packed, 50, bias), alone[:rows]), (k, rows)
+
+
+@needs_library
 def test_the_op_refuses_bad_operands_naming_them():
     op = torch.ops.tritonserve.packed_linear_quant
     packed = quant_layout.quantize(torch.randn(32, 64), "u4")

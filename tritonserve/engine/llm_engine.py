@@ -14,6 +14,7 @@ import logging
 import time
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from .config import EngineConfig
@@ -29,13 +30,14 @@ from .request_check import RequestChecker
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .speculative import NgramProposer, SpecStats, record_acceptance
+from .speculative import BF16_INVARIANT_ROWS, NgramProposer, SpecStats, record_acceptance
 from .structured import Grammars
 from .resolve import resolved
 from .tp_runner import make_runner
 
 log = logging.getLogger("tritonserve.engine")
 
+DENSE_WEIGHTS = ("plain", "panels", "onednn")  # engine/plan.py's dense weight forms
 MAX_FAILED_STEPS = 3  # forward passes failing in a row before the engine declares itself dead
 PROMPT_DETOKENIZE_CONTEXT = 5  # prompt tokens the detokenizer sees before the output (as vLLM)
 
@@ -62,10 +64,11 @@ class LLMEngine:
         proposer = (NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
                     if spec.method == "ngram" else None)
         plan = self.runner.plan
+        rows = plan.dense_above or 1 << 30  # past it a step runs the dense copy's weights
+        if config.torch_dtype == torch.bfloat16 and plan.weights not in DENSE_WEIGHTS:
+            rows = min(rows, BF16_INVARIANT_ROWS)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, proposer, spec.max_batch,
-                                   self.max_model_len,
-                                   plan.dense_above if plan.dense_above else 1 << 30,
-                                   spec.min_acceptance)
+                                   self.max_model_len, rows, spec.min_acceptance)
         self.spec_stats = SpecStats()
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -37,6 +37,10 @@ from .request import Request
 from .sampler import SampledToken
 
 METHODS = ("ngram",)
+# decode rows whose bf16 sums do not depend on the rows beside them, on quantized weights
+# (kernels/cpu/panels_quant.h's kSplit: tile_bf16 sums up to it as row_bf16 does); a
+# speculating step stays within it so that greedy output is one row's
+BF16_INVARIANT_ROWS = 4
 
 
 class NgramProposer:

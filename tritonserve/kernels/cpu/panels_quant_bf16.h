@@ -86,16 +86,44 @@ inline void group_scales(const uint8_t* rec, __m512& d, __m512& m) {
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32))));
 }
 
+// One group of R rows into tot: C chains of sums a row, pair j on chain j % C, summed
+// ((0 + 1) + 2) + 3 at the group's end, scaled into tot
+template <int R, int C, Kind kind>
+inline void group_rows(const uint16_t* xg, int64_t ldx, const float* xs, int64_t G, int64_t g,
+                       const __m512i* pairs, __m512 d, __m512 m, __m512 (&tot)[R]) {
+  __m512 acc[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; j += C)
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) dp_row(acc[c][r], pairs[j + c], xg + r * ldx + 2 * (j + c));
+  for (int c = 1; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[0][r] = _mm512_add_ps(acc[0][r], acc[c][r]);
+  for (int r = 0; r < R; ++r) {
+    tot[r] = _mm512_fmadd_ps(d, acc[0][r], tot[r]);
+    if constexpr (kind == Kind::kU4)
+      tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), tot[r]);
+  }
+}
+
 // R rows against a panel: widened inline (Inline: at most one tile of rows, the weight read
 // once) or read from `wide` (G groups of 16 pairs, d, m', widened once for every tile). The
-// totals stay in registers over all of K.
+// totals stay in registers over all of K. Up to kSplit rows sum exactly as row_bf16 does
+// (four chains a group, even groups and odd groups in two totals added at the end), so a
+// row's result does not depend on how many rows share the call: a speculating step's K + 1
+// rows give the tokens one row would (engine/speculative.py; without it SmolLM2's bf16
+// greedy output moved after a near tie).
 template <int R, Kind kind, bool Inline>
 inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G,
                       const uint8_t* w, const __m512i* wide, uint16_t* y, int64_t ldy,
                       int64_t ncols, const float* bias) {
   constexpr int64_t bytes = kind == Kind::kU4 ? kU4Bytes : kS8Bytes;
-  __m512 tot[R];
-  for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_ps();
+  constexpr bool invariant = R <= kSplit;
+  constexpr int C = invariant ? 4 : 1;
+  __m512 tot[2][R];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < R; ++r) tot[h][r] = _mm512_setzero_ps();
   alignas(64) __m512i local[16];
   for (int64_t g = 0; g < G; ++g) {
     const __m512i* pairs = wide + g * 18;
@@ -112,28 +140,18 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G
       d = _mm512_castsi512_ps(pairs[16]), m = _mm512_castsi512_ps(pairs[17]);
     }
     const uint16_t* xg = x + g * kGroup;
-    // C chains of sums a row, pair j on chain j % C, summed at the group's end
-    constexpr int C = R == 1 ? 4 : R <= kSplit ? 2 : 1;
-    __m512 acc[C][R];
-    for (int c = 0; c < C; ++c)
-      for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
-#pragma GCC unroll 16
-    for (int j = 0; j < 16; j += C)
-      for (int c = 0; c < C; ++c)
-        for (int r = 0; r < R; ++r) dp_row(acc[c][r], pairs[j + c], xg + r * ldx + 2 * (j + c));
-    for (int c = 1; c < C; ++c)
-      for (int r = 0; r < R; ++r) acc[0][r] = _mm512_add_ps(acc[0][r], acc[c][r]);
-    for (int r = 0; r < R; ++r) {
-      tot[r] = _mm512_fmadd_ps(d, acc[0][r], tot[r]);
-      if constexpr (kind == Kind::kU4)
-        tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), tot[r]);
-    }
+    if (invariant && (g & 1))
+      group_rows<R, C, kind>(xg, ldx, xs, G, g, pairs, d, m, tot[1]);
+    else
+      group_rows<R, C, kind>(xg, ldx, xs, G, g, pairs, d, m, tot[0]);
   }
   const __mmask16 mask = ncols >= kCols ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
   const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
+    const __m512 sum = invariant ? _mm512_add_ps(tot[0][r], tot[1][r]) : tot[0][r];
     _mm256_mask_storeu_epi16(y + r * ldy, mask,
-                             (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(tot[r], b)));
+                             (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum, b)));
+  }
 }
 
 // N groups of one row, interleaved, from group g: each group's 16 pairs widened straight into
