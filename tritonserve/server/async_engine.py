@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 from tritonserve.engine import (EngineDeadError, GenerationStep, InvalidRequestError, LLMEngine,
                                 SamplingParams)
-from tritonserve.engine.plan import DecodePlan
 from tritonserve.engine.sampling_params import SEED_LIMIT
 
+from .engine_card import EngineStats, EngineView, ModelCard, card_of, stats_of
 from .prompts import PromptTokenizer
 
 log = logging.getLogger("tritonserve.server.engine")
@@ -51,53 +51,6 @@ class StreamFailure:
 
     code: str
     message: str
-
-
-@dataclass(frozen=True)
-class ModelCard:
-    """What the server may say about the model it serves (fixed at start-up)."""
-
-    name: str
-    root: str  # the model folder
-    max_model_len: int
-    vocab_size: int
-    num_kv_blocks: int
-    block_size: int
-    dtype: str  # what --dtype auto resolved to
-    plan: DecodePlan  # what the steps run, with why (engine/plan.py)
-    kernels: str  # which kernels serve: "Triton (CUDA)", "C++ CPU ops (ISA ...)", "torch"
-    aliases: tuple[str, ...] = ()  # --served-model-name: then the only names, name the first
-    engines: int = 1  # data-parallel engines (num_kv_blocks is their sum)
-
-    def names(self) -> tuple[str, ...]:
-        """The names a request's `model` field may use."""
-        return self.aliases or (self.name, self.root)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Taken on the engine thread after admitting requests and after each step."""
-
-    num_running: int = 0
-    num_waiting: int = 0  # in the engine's queue (the inbox is counted by AsyncEngine)
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
-    prefix_cache_hits: int = 0  # of those, tokens whose KV blocks were found
-    spec_drafts: int = 0  # speculating request-steps (engine/speculative.py), since start
-    spec_draft_tokens: int = 0  # proposals verified
-    spec_accepted_tokens: int = 0  # of those, accepted
-
-
-@dataclass(frozen=True)
-class EngineView:
-    """One engine as /metrics and /health see it."""
-
-    index: int
-    alive: bool
-    pid: int
-    stats: EngineStats
-    outstanding_tokens: int  # what the data-parallel router counts (0 for one engine)
 
 
 @dataclass(frozen=True)
@@ -360,23 +313,6 @@ class AsyncEngine:
               failed_ids: list[str]) -> None:
         if self._loop is not None and (steps or failed_ids):
             self._loop.call_soon_threadsafe(self._dispatch, steps, failure, failed_ids)
-
-
-def stats_of(engine: LLMEngine) -> EngineStats:
-    prefix, spec = engine.kv_cache.stats, engine.spec_stats
-    return EngineStats(engine.num_running, engine.num_waiting, engine.kv_cache.usage,
-                       engine.scheduler.num_preemptions, prefix.queried_tokens,
-                       prefix.hit_tokens, spec.steps, spec.proposed, spec.accepted)
-
-
-def card_of(engine: LLMEngine, served_names: tuple[str, ...] = ()) -> ModelCard:
-    return ModelCard(
-        name=served_names[0] if served_names else engine.model_name,
-        root=str(engine.model_path), aliases=tuple(served_names),
-        max_model_len=engine.max_model_len, vocab_size=engine.arch.vocab_size,
-        num_kv_blocks=engine.kv_cache.num_blocks, block_size=engine.kv_cache.block_size,
-        dtype=engine.config.dtype, plan=engine.runner.plan,
-        kernels=engine.runner.kernels_in_use())
 
 
 def now() -> float:

@@ -36,7 +36,8 @@ from tritonserve.engine.memory import cpu_cache_bytes
 from tritonserve.engine.resolve import resolved
 from tritonserve.engine.request_check import RequestChecker
 
-from .async_engine import (AsyncEngine, EngineStats, EngineView, NewRequest, StreamFailure)
+from .async_engine import AsyncEngine, NewRequest, StreamFailure
+from .engine_card import EngineStats, EngineView
 from .engine_process import (Abort, Died, Ready, Rejected, StartFailed, Stepped, Stop,
                              engine_main)
 from .prompts import PromptTokenizer
