@@ -37,7 +37,6 @@ from .tp_runner import make_runner
 
 log = logging.getLogger("tritonserve.engine")
 
-DENSE_WEIGHTS = ("plain", "panels", "onednn")  # engine/plan.py's dense weight forms
 MAX_FAILED_STEPS = 3  # forward passes failing in a row before the engine declares itself dead
 PROMPT_DETOKENIZE_CONTEXT = 5  # prompt tokens the detokenizer sees before the output (as vLLM)
 
@@ -65,7 +64,7 @@ class LLMEngine:
                     if spec.method == "ngram" else None)
         plan = self.runner.plan
         rows = plan.dense_above or 1 << 30  # past it a step runs the dense copy's weights
-        if config.torch_dtype == torch.bfloat16 and plan.weights not in DENSE_WEIGHTS:
+        if config.torch_dtype == torch.bfloat16 and plan.quantized:
             rows = min(rows, BF16_INVARIANT_ROWS)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, proposer, spec.max_batch,
                                    self.max_model_len, rows, spec.min_acceptance)

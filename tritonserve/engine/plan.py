@@ -71,6 +71,11 @@ class DecodePlan:
     # the dense ones (0: the weights' form runs every step)
     dense_above: int = 0
 
+    @property
+    def quantized(self) -> bool:
+        """The weights are packed codes (gguf, compressed-tensors, int4/int8), not dense."""
+        return self.weights not in ("plain", "panels", "onednn")
+
     def describe(self) -> str:
         """One phrase for the start-up line."""
         weights = self.weights + (f" (steps of up to {self.dense_above} rows; bf16 panels "
