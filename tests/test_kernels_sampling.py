@@ -133,9 +133,10 @@ def test_mixed_rows_in_one_batch(name, device):
 
 
 @pytest.mark.slow
-def test_gpu_large_vocabulary_path_in_the_interpreter():
+def test_gpu_large_vocabulary_path(device):
     """The shape the GPU takes for a large vocabulary (one row per program, 4096-wide chunks,
-    vocab > 4096 so the loops run twice) gives the right tokens."""
+    vocab > 4096 so the loops run twice) gives the right tokens (interpreted here, compiled on
+    CUDA by gpu_check.sh)."""
     gen = torch.Generator().manual_seed(7)
     vocab = 5000
     logits = torch.randn(3, vocab, generator=gen) * 3
@@ -145,8 +146,8 @@ def test_gpu_large_vocabulary_path_in_the_interpreter():
     top_p = torch.tensor([1.0, 1.0, 1e-6])
     min_p = torch.zeros(3)
     seeds = torch.arange(3, dtype=torch.int64)
-    tokens = kernels.sample(logits, temperature, top_k, top_p, min_p, seeds, block_rows=1,
-                            block_v=4096)
+    tokens = kernels.sample(*(t.to(device) for t in (logits, temperature, top_k, top_p, min_p,
+                                                      seeds)), block_rows=1, block_v=4096).cpu()
     assert int(tokens[0]) == 4500
     assert int(tokens[1]) in logits[1].topk(3).indices.tolist()
     assert int(tokens[2]) == 4500

@@ -40,6 +40,10 @@ def test_pack_and_unpack_are_inverse_and_dequantize_is_d_q_plus_m(kind):
         assert torch.equal(m2, m.half().float())
         expected = expected + m.half().float().repeat_interleave(32, dim=1)
     assert torch.equal(quant_layout.dequantize(packed, n), expected)
+    # the reference runs where the weight lies (the CUDA engine's reference path; an H200
+    # run found it building its shifts on the CPU): on "meta" any CPU operand would raise
+    d3, q3, m3 = quant_layout.unpack(packed.to("meta"), n)
+    assert (d3.device.type, q3.shape, m3.shape) == ("meta", q.shape, d.shape)
 
 
 def test_pack_refuses_codes_out_of_range_and_ragged_rows():

@@ -38,10 +38,10 @@ def test_bf16_inputs_and_refusals(device):
         quant_linear(x, torch.zeros(32, 96, device=device), 32)
 
 
-def test_the_engine_through_the_triton_matmul(monkeypatch):
-    """The engine end to end with every quantized projection through the Triton kernel
-    (interpreted on the CPU; on CUDA the plan sends them there): greedy tokens equal the C++
-    tiles' on int4 weights in fp32."""
+def test_the_engine_through_the_triton_matmul(monkeypatch, device):
+    """The engine end to end with every quantized projection through the Triton kernel, on
+    int4 weights in fp32: interpreted on the CPU (greedy tokens = the C++ tiles'), on CUDA the
+    plan's own path (= the dequantized reference's tokens)."""
     from tests.test_decode_layers import SHAPE
     from tests.tiny_models import write_tiny_model
     import tempfile
@@ -53,11 +53,24 @@ def test_the_engine_through_the_triton_matmul(monkeypatch):
     folder = write_tiny_model(Path(tempfile.mkdtemp()) / "m", seed=2, num_hidden_layers=1,
                               **SHAPE)
     llm = LLM(str(folder), dtype="float32", quantization="int4", decode_mode="eager",
-              max_num_seqs=2)
+              max_num_seqs=2, device=device)
     prompts = [[5, 17, 42, 9], [3, 8]]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    cpp = [o.token_ids for o in llm.generate(prompts, params)]
     calls = []
+    if device == "cuda":  # the plan's path is the kernel; the reference replaces it after
+        forward_cuda = ops.QuantLinear.forward_cuda
+
+        def counted(self, x, weight, n, bias):
+            calls.append(n)
+            return forward_cuda(self, x, weight, n, bias)
+
+        monkeypatch.setattr(ops.QuantLinear, "forward_cuda", counted)
+        triton_tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        monkeypatch.setattr(ops.QuantLinear, "__call__", ops.QuantLinear.forward_native)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == triton_tokens
+        assert calls  # the kernel ran
+        return
+    cpp = [o.token_ids for o in llm.generate(prompts, params)]
 
     def through_triton(self, x, weight, n, bias):
         calls.append(n)

@@ -84,7 +84,8 @@ def unpack(weight: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, to
     if kind == "u4":
         words = weight[:, :, 64:].contiguous().view(torch.int32).to(torch.int64)
         words = words.reshape(panels, groups, 4, 1, 1, COLS) & 0xFFFFFFFF
-        shifts = (4 * (torch.arange(4).view(4, 1) + 4 * torch.arange(2).view(1, 2)))
+        steps = torch.arange(4, device=weight.device)
+        shifts = 4 * (steps.view(4, 1) + 4 * steps[:2].view(1, 2))
         codes = (words >> shifts.view(1, 1, 1, 4, 2, 1)) & 15  # [P, G, 4, 4 i, 2 h, 16]
         m = scales(32)
     else:
