@@ -145,3 +145,30 @@ def test_sample_op_passes_opcheck_and_compiles_without_graph_breaks():
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(*args), step(*args))
+
+
+def test_the_triton_draw_takes_plain_rows_and_torch_the_filtering_ones():
+    """draw "triton" (CUDA's plan): rows that filter nothing go through the kernel, rows with
+    top-k / top-p / min-p through the torch path (faster there at a large vocabulary:
+    docs/benchmarks.md "On a GPU"), each row by its own parameters, so a seeded row draws the
+    same token alone or in a mixed batch."""
+    from tritonserve.engine.sampler import Sampler
+    from tritonserve.kernels import reference
+    from tritonserve.kernels import triton as kernels
+    logits, temperature, top_k, top_p, min_p, seeds = _sample_args()
+    params = [SamplingParams(temperature=float(t), top_k=int(k), top_p=float(p),
+                             min_p=float(m))
+              for t, k, p, m in zip(temperature, top_k, top_p, min_p)]
+    sampler = Sampler("triton", logits.shape[1], seed=0, max_model_len=64)
+    got = sampler._draw(logits.clone(), params, seeds)
+    plain = [0, 1]  # greedy and T = 1: no filter
+    filtering = [2, 3, 4]
+    zeros = torch.zeros(2, dtype=torch.int32)
+    assert torch.equal(got[plain], kernels.sample(
+        logits[plain], temperature[plain], zeros, torch.ones(2), torch.zeros(2), seeds[plain]))
+    assert torch.equal(got[filtering], reference.sample(
+        logits[filtering], temperature[filtering], top_k[filtering], top_p[filtering],
+        min_p[filtering], seeds[filtering]))
+    for row in range(len(params)):  # alone = in company
+        alone = sampler._draw(logits[row:row + 1].clone(), params[row:row + 1], seeds[row:row + 1])
+        assert int(alone) == int(got[row])

@@ -16,8 +16,9 @@ Four choices, each with its reason:
   for F.linear.
 - attention: triton (CUDA), cpu (the C++ paged attention reading the cache in place), torch
   (gather + SDPA).
-- draw: the sampler's draw. triton, cpu (the C++ softmax draw for rows with no top-k/p,
-  min-p), torch.
+- draw: the sampler's draw for rows with no top-k/p, min-p: triton (the kernel), cpu (the
+  C++ softmax draw), torch. Rows that filter go through the torch path under every plan
+  (engine/sampler.py says why on CUDA).
 """
 from __future__ import annotations
 

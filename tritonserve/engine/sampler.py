@@ -87,13 +87,21 @@ class Sampler:
     def __init__(self, draw: str, vocab_size: int, seed: int, max_model_len: int,
                  device: torch.device = torch.device("cpu")) -> None:
         """draw: the decode plan's (engine/plan.py): triton, cpu or torch."""
-        self._sample = functools.partial(torch.ops.tritonserve.sample,
-                                         backend="triton" if draw == "triton" else "torch")
+        # draw triton (CUDA): the kernel for the rows that filter nothing, the torch path for
+        # rows with top-k / top-p / min-p. On an H200 at batch 128 x vocabulary 128,256 the
+        # kernel drew plain rows in 0.30 ms against torch's 1.39, but its threshold bisection
+        # (one program a row over the whole vocabulary) took 4.17 ms for top-p 0.95 and 7.86
+        # for top-k 50 + top-p 0.9 against 2.51 / 1.94 (docs/benchmarks.md, "On a GPU"). By
+        # a row's own parameters, so a seeded row draws the same token in any batch.
+        self._sample = functools.partial(torch.ops.tritonserve.sample, backend="torch")
+        self._plain_draw = self._triton_plain if draw == "triton" else None
         # draw cpu, the rows that filter nothing (the server's default sampling): one C++
         # pass a row instead of softmax, max and chunk passes over [B, V] (the sampler phase
         # of a batch-64 SmolLM2 step 2.4 -> 0.6 ms). Chosen by a row's own parameters, so a
         # seeded row draws the same token in any batch.
         self._softmax_draw = cpu.op("sample_softmax") if draw == "cpu" else None
+        if self._softmax_draw is not None:
+            self._plain_draw = self._softmax_draw
         self.vocab_size = vocab_size
         self._rng = torch.Generator().manual_seed(seed)
         self.state = SamplingState(vocab_size, max_model_len, device)
@@ -147,16 +155,26 @@ class Sampler:
         self.state.record(requests, token_ids)
         return self._outputs(token_ids, logprobs, params)
 
+    @staticmethod
+    def _triton_plain(logits: torch.Tensor, temperature: torch.Tensor,
+                      seeds: torch.Tensor) -> torch.Tensor:
+        """The Triton kernel's draw from the whole softmax (no filter), the C++ draw's form."""
+        rows, device = logits.shape[0], logits.device
+        return torch.ops.tritonserve.sample(
+            logits, temperature, torch.zeros(rows, dtype=torch.int32, device=device),
+            torch.ones(rows, device=device), torch.zeros(rows, device=device), seeds,
+            backend="triton")
+
     def _draw(self, logits: torch.Tensor, params: list, seeds: torch.Tensor) -> torch.Tensor:
         """logits [B, V] (fp32; bf16 too with the C++ draw) -> [B] tokens: the rows that
-        filter nothing (greedy ones too: an argmax either way) through the C++ draw when there
-        is one, the rest through the sampling op."""
+        filter nothing (greedy ones too: an argmax either way) through the plan's plain draw
+        (C++ on the CPU, Triton on CUDA) when there is one, the rest through the torch op."""
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)
         plain = [_filters_nothing(p) for p in params]
-        if self._softmax_draw is not None and all(plain):
-            return self._softmax_draw(logits, temperature, seeds)
-        if self._softmax_draw is None or not any(plain):
+        if self._plain_draw is not None and all(plain):
+            return self._plain_draw(logits, temperature, seeds)
+        if self._plain_draw is None or not any(plain):
             rows = slice(None)
         else:
             rows = torch.tensor([row for row, s in enumerate(plain) if not s], dtype=torch.int64,
@@ -172,7 +190,7 @@ class Sampler:
                               device=device)
         out = torch.empty(len(params), dtype=torch.int64, device=device)
         out[rows] = tokens
-        out[simple] = self._softmax_draw(logits[simple], temperature[simple], seeds[simple])
+        out[simple] = self._plain_draw(logits[simple], temperature[simple], seeds[simple])
         return out
 
     def _seeds(self, requests: list[Request]) -> torch.Tensor:
