@@ -278,7 +278,7 @@ def test_engines_split_the_cpu_cache_budget_and_the_gpus(tiny_model):
     from tritonserve.engine.llm import build_config
     from tritonserve.engine.memory import cpu_cache_bytes
     from tritonserve.engine.resolve import resolved
-    from tritonserve.server.dp_engine import devices_for, split_cache
+    from tritonserve.server.dp_placement import devices_for, split_cache
     config = build_config(tiny_model, dtype="float32")
     _, arch, full, _ = resolved(config)
     assert split_cache(config, 2).cache.cache_bytes == cpu_cache_bytes(full, arch) // 2

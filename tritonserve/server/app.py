@@ -9,7 +9,8 @@ from aiohttp import web
 
 from tritonserve.engine import InvalidRequestError, LLMEngine
 
-from .async_engine import AsyncEngine, EngineUnavailableError, OverloadedError
+from .async_engine import AsyncEngine
+from .streams import EngineUnavailableError, OverloadedError
 from .chat_template import ChatTemplate
 from .common import STATE, ApiError, ServerState, json_error
 from .config import ServerConfig

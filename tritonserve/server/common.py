@@ -14,7 +14,8 @@ from pydantic import BaseModel, ValidationError
 from tritonserve.engine import Completion, FinishReason, InvalidRequestError, SamplingParams
 from tritonserve.engine.structured import StructuredOutput
 
-from .async_engine import AsyncEngine, StreamFailure, StreamItem
+from .async_engine import AsyncEngine
+from .streams import StreamFailure, StreamItem
 from .chat_template import ChatTemplate
 from .errors import ApiError
 from .config import ServerConfig

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from tritonserve.engine import Completion, TokenOutput
 
-from .async_engine import RequestStream
+from .streams import RequestStream
 from .common import STATE, ApiError, failure_of, failure_response, open_sse, send_sse
 from .schema import StreamErrorEvent
 

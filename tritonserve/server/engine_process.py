@@ -20,7 +20,7 @@ from tritonserve.engine import EngineDeadError, GenerationStep, InvalidRequestEr
 from tritonserve.engine.config import EngineConfig
 from tritonserve.engine.parallel import pin_cores
 
-from .async_engine import NewRequest
+from .streams import NewRequest
 from .engine_card import EngineStats, ModelCard, card_of, stats_of
 
 log = logging.getLogger("tritonserve.server.engine")
