@@ -181,3 +181,95 @@ def test_the_default_serves_its_blocks_and_bf16_panels_past_eight_rows():
     assert [len(o.token_ids) for o in outs] == [4 + i for i in range(12)]
     assert calls["dense"] and min(calls["dense"]) > 8
     assert calls["quantized"] and max(calls["quantized"]) <= 8
+
+
+def _q4_k(w):
+    """A plain Q4_K quantizer for the test (gguf-py has none): per 32-wide sub block the
+    range over 15 steps with the minimum clamped to <= 0, 6-bit scales and mins under fp16
+    d / dmin, packed as llama.cpp lays them out (engine/models/gguf.py reads them back)."""
+    import numpy as np
+    n, k = w.shape
+    sub = w.reshape(n, k // 256, 8, 32)
+    low, high = np.minimum(sub.min(-1), 0), sub.max(-1)
+    scale, mins = (high - low) / 15, -low
+    d16 = (scale.max(-1) / 63).astype(np.float16)
+    dmin16 = (mins.max(-1) / 63).astype(np.float16)
+    d = np.where(d16 > 0, d16.astype(np.float32), 1)[..., None]
+    dmin = np.where(dmin16 > 0, dmin16.astype(np.float32), 1)[..., None]
+    sc = np.clip(np.round(scale / d), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(mins / dmin), 0, 63).astype(np.uint8)
+    step = np.where(sc > 0, d * sc, 1)[..., None]
+    q = np.clip(np.round((sub + (dmin * mn)[..., None]) / step), 0, 15).astype(np.uint8)
+    scales = np.concatenate((sc[..., :4] | (sc[..., 4:] >> 4) << 6,
+                             mn[..., :4] | (mn[..., 4:] >> 4) << 6,
+                             (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4), axis=-1)
+    codes = (q[..., 0::2, :] | q[..., 1::2, :] << 4).reshape(n, k // 256, 128)
+    halves = np.stack((d16, dmin16), axis=-1).view(np.uint8)
+    return np.concatenate((halves, scales, codes), axis=-1).reshape(n, -1)
+
+
+@pytest.mark.slow
+@needs_library
+def test_a_k_quant_gguf_serves_its_q4_k_and_q5_0_blocks_and_the_rest_dense(tmp_path,
+                                                                           monkeypatch):
+    """A llama.cpp K mix made from the embedded file: every ffn_down as Q4_K (layer 0's as
+    Q6_K, which has no exact block form), every attn_v as Q5_0. Under auto the engine serves
+    Q4_K and Q5_0 as blocks and Q6_K dense (the start-up line counts them) and gives the
+    greedy tokens of the file's dequantized weights (--quantization none); asked for gguf by
+    name it refuses, naming the Q6_K tensor."""
+    import gguf
+    import numpy as np
+    from gguf import quants
+    from tritonserve.engine.default_model import gguf_path
+    from tritonserve.engine.models.gguf import GGUFError
+
+    monkeypatch.setenv("TRITONSERVE_CACHE", str(tmp_path / "cache"))
+    reader = gguf.GGUFReader(str(gguf_path()))
+    path = tmp_path / "smollm2-kmix.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        writer.add_key_value(field.name, field.contents(), kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY
+                             else None)
+    types = gguf.GGMLQuantizationType
+    tensors = []
+    for t in reader.tensors:
+        raw, ggml_type = t.data, t.tensor_type
+        if ".ffn_down." in t.name or ".attn_v." in t.name:
+            dense = quants.dequantize(t.data, t.tensor_type).reshape(-1, int(t.shape[0]))
+            if t.name.startswith("blk.0.ffn_down"):  # random codes, small scales
+                rng = np.random.default_rng(0)
+                raw = rng.integers(0, 256, (dense.shape[0], dense.shape[1] // 256 * 210),
+                                   dtype=np.uint8).reshape(dense.shape[0], -1, 210)
+                raw[:, :, 208:] = np.full(raw.shape[:2], 1e-4, np.float16)[..., None].view(
+                    np.uint8)
+                raw, ggml_type = raw.reshape(dense.shape[0], -1), types.Q6_K
+            elif ".ffn_down." in t.name:
+                raw, ggml_type = _q4_k(dense), types.Q4_K
+            else:
+                raw, ggml_type = quants.quantize(dense, types.Q5_0), types.Q5_0
+        tensors.append((t.name, raw, ggml_type))
+        writer.add_tensor_info(t.name, raw.shape, raw.dtype, raw.nbytes, ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, raw, _ in tensors:
+        writer.write_tensor_data(np.ascontiguousarray(raw))
+    writer.close()
+
+    prompts = ["The capital of France is", "def add(a, b):"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    blocks = LLM(str(path), dtype="float32", max_num_seqs=2)
+    assert blocks.engine.runner.plan.weights == "gguf"
+    down = [layer.mlp.down_proj.weight for layer in blocks.engine.runner.model.layers]
+    assert quant_layout.kind_of(down[0]) is None and quant_layout.kind_of(down[1]) == "u4"
+    served = [o.token_ids for o in blocks.generate(prompts, params)]
+    del blocks
+    dense = LLM(str(path), dtype="float32", quantization="none", max_num_seqs=2)
+    assert served == [o.token_ids for o in dense.generate(prompts, params)]
+    del dense
+    with pytest.raises(GGUFError, match="blk.0.ffn_down.weight is Q6_K"):
+        LLM(str(path), dtype="float32", quantization="gguf", max_num_seqs=2)

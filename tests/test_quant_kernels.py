@@ -58,7 +58,7 @@ def test_pack_refuses_codes_out_of_range_and_ragged_rows():
         quant_layout.quantize(torch.randn(4, 40), "u4")
 
 
-@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
 def test_gguf_blocks_parse_to_what_the_gguf_package_dequantizes(ggml_type):
     """The oracle: gguf.quants quantizes a random matrix into the type's blocks and
     dequantizes them; our parse + pack + dequantize gives the same fp32 weights exactly."""
@@ -73,18 +73,70 @@ def test_gguf_blocks_parse_to_what_the_gguf_package_dequantizes(ggml_type):
     assert torch.equal(quant_layout.dequantize(quant_layout.pack(kind, d, q, m), 40), oracle)
 
 
-def test_a_gguf_with_a_type_not_served_is_refused_naming_tensor_and_type(tmp_path):
+def _q4_k_blocks(n: int, supers: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_K rows (gguf-py has no Q4_K quantizer): fp16 d and dmin of a weight's size,
+    every scale/min/code byte random (each of the 6-bit scale packings is exercised)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, supers, 144), dtype=np.uint8)
+    raw[:, :, 0:4] = (rng.random((n, supers, 2)) * 1e-3 + 1e-4).astype(np.float16).view(
+        np.uint8).reshape(n, supers, 4)
+    return raw.reshape(n, supers * 144)
+
+
+def test_q4_k_blocks_parse_to_the_gguf_dequantizer_within_the_fp16_scale():
+    """Q4_K: eight 32-wide groups a super block, codes as they are; each group's d * scale
+    and dmin * min kept in fp16 (the layout's): within 2^-11 of each group's scale."""
+    quants = pytest.importorskip("gguf.quants")
+    import gguf
+    n, k = 24, 512
+    raw = _q4_k_blocks(n, k // 256)
+    oracle = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K))
+    d, q, m = gguf_weights.parse_blocks("Q4_K", raw, n, k)
+    assert q.shape == (n, k) and int(q.min()) >= 0 and int(q.max()) <= 15
+    # exact before the fp16 rounding: the parse is the dequantizer's arithmetic
+    exact = q.float() * d.repeat_interleave(32, dim=1) + m.repeat_interleave(32, dim=1)
+    torch.testing.assert_close(exact, oracle, rtol=1e-6, atol=1e-9)
+    got = quant_layout.dequantize(quant_layout.pack("u4", d, q, m), n)
+    bound = (15 * d.abs() + m.abs()).repeat_interleave(32, dim=1) * 2.0 ** -11
+    assert bool(((got - oracle).abs() <= bound + 1e-12).all())
+
+
+def _write_gguf(path, tensors: dict):
     gguf = pytest.importorskip("gguf")
-    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
-    raw = np.zeros((4, 144), dtype=np.uint8)  # 4 rows of one Q4_K super block (256 values)
-    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_shape=(4, 144),
-                      raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (raw, ggml_type) in tensors.items():
+        writer.add_tensor(name, raw, raw_shape=raw.shape,
+                          raw_dtype=getattr(gguf.GGMLQuantizationType, ggml_type))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(gguf_weights.GGUFError, match="blk.0.ffn_down.weight is Q4_K"):
-        gguf_weights.read_quantized(tmp_path / "k.gguf", 2, 1)
+    return path
+
+
+def test_a_type_with_no_block_form_is_refused_when_asked_and_left_dense_under_auto(tmp_path):
+    """Q6_K (16-wide sub blocks) has no exact form in the layout: strict (--quantization gguf)
+    names the tensor and type, lenient (auto) serves the Q4_K tensor as blocks and lists the
+    Q6_K one as left dense; the kept panels remember which (a strict start on a kept file
+    refuses too)."""
+    path = _write_gguf(tmp_path / "k.gguf", {
+        "blk.0.ffn_down.weight": (_q4_k_blocks(16, 1), "Q4_K"),
+        "blk.0.ffn_up.weight": (np.zeros((4, 210), dtype=np.uint8), "Q6_K")})
+    with pytest.raises(gguf_weights.GGUFError, match="blk.0.ffn_up.weight is Q6_K"):
+        gguf_weights.read_quantized(path, 2, 1)
+    served = gguf_weights.read_quantized(path, 2, 1, strict=False)
+    assert list(served) == ["model.layers.0.mlp.down_proj.weight"]
+    assert served["model.layers.0.mlp.down_proj.weight"].kind == "u4"
+    assert served.skipped == {"blk.0.ffn_up.weight": "Q6_K"}
+    assert gguf_weights.types_of(served) == "Q4_K x1; dense (no exact block form): Q6_K x1"
+    kept = gguf_weights.read_quantized_cached(path, 2, 1, tmp_path, strict=False)
+    assert (tmp_path / gguf_weights.PACKED).exists() and kept.skipped == served.skipped
+    again = gguf_weights.read_quantized_cached(path, 2, 1, tmp_path, strict=False)
+    assert torch.equal(again["model.layers.0.mlp.down_proj.weight"].packed,
+                       served["model.layers.0.mlp.down_proj.weight"].packed)
+    assert again.skipped == served.skipped
+    with pytest.raises(gguf_weights.GGUFError, match="blk.0.ffn_up.weight is Q6_K"):
+        gguf_weights.read_quantized_cached(path, 2, 1, tmp_path, strict=True)
 
 
 def test_llama_cpp_q_k_row_order_is_undone():

@@ -70,10 +70,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "dummy"])
     p.add_argument("--quantization", "-q", default=e.quantization, choices=QUANTIZATIONS,
                    help="gguf: a GGUF model's quantized blocks as they are (Q4_0, Q4_1, "
-                   "Q8_0); compressed-tensors: a W4A16 / W8A16 checkpoint's codes; int4 "
-                   "(-g64, -g128) / int8: quantized at load; none: dense weights; auto: a "
-                   "GGUF model's blocks or a compressed checkpoint's codes on the CPU with "
-                   "the C++ library")
+                   "Q4_K, Q5_0, Q8_0; another type is refused); compressed-tensors: a W4A16 "
+                   "/ W8A16 checkpoint's codes; int4 (-g64, -g128) / int8: quantized at load; "
+                   "none: dense weights; auto: a GGUF model's blocks (other types dense) or a "
+                   "compressed checkpoint's codes on the CPU with the C++ library")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=e.tensor_parallel_size,
                    help="ranks the model is split across (gloo on the CPU, NCCL on CUDA); "
                    "under torchrun the ranks are its processes (RANK > 0 runs a worker)")

@@ -3,10 +3,17 @@
 the Hugging Face checkpoint names them. Config, tokenizer and the small tensors (norms, the
 embedding table for the lookup) come from the converted folder (engine/default_model.py).
 
-Served as blocks: Q8_0 (s8), Q4_0 and Q4_1 (u4). K-quants (Q4_K, Q6_K, ...) use 256-wide super
-blocks, which SmolLM2's 576-wide rows are not a multiple of (llama.cpp's own quantizer falls
-back to Q5_0 / Q8_0 for such tensors); a file with them, or any other type, is refused with
-its name (`--quantization none` serves the dequantized conversion instead).
+Served as blocks: Q8_0 and Q5_0 (s8: Q5_0's 5-bit codes less 16 fit an int8, exactly), Q4_0,
+Q4_1 and Q4_K (u4). Q4_K's 256-wide super block holds eight 32-wide sub blocks of 4-bit codes,
+each with a 6-bit scale and min under the block's fp16 d and dmin: a sub block becomes one
+group with d * scale and -dmin * min rounded to fp16, the layout's (at most 2^-11 of the
+scale, against a 4-bit code's step of 1/15 of the range); every other type is exact. Q6_K's
+16-wide sub blocks (two int8 scales in a 32-wide group) and the other types have no exact
+form in the layout: under --quantization auto such a tensor is served from the converted
+folder's dequantized weights (dense panels; the start-up line counts them), under
+--quantization gguf the file is refused naming the tensor and type. (SmolLM2's 576-wide rows
+are not a multiple of 256: llama.cpp's quantizer gives such tensors Q5_0 / Q8_0 in its K
+mixes.)
 The q and k projections are stored permuted for llama.cpp's interleaved rope; their rows are
 put back as transformers' GGUF loader does (LlamaTensorProcessor._reverse_permute_weights).
 Parsing and packing the embedded file takes ~3 s, every engine start: `read_quantized_cached`
@@ -27,8 +34,9 @@ import torch
 
 from tritonserve.kernels import quant_layout
 
-# GGML block types served as they are: (kind, block bytes)
-SERVED = {"Q8_0": ("s8", 34), "Q4_0": ("u4", 18), "Q4_1": ("u4", 20)}
+# GGML block types served as they are: (kind, block bytes, values a block)
+SERVED = {"Q8_0": ("s8", 34, 32), "Q5_0": ("s8", 22, 32), "Q4_0": ("u4", 18, 32),
+          "Q4_1": ("u4", 20, 32), "Q4_K": ("u4", 144, 256)}
 DENSE = ("F32", "F16", "BF16")  # norms, biases: read through the converted folder
 
 _NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -63,23 +71,53 @@ def hf_name(name: str) -> str | None:
     return None
 
 
+def _half(blocks: np.ndarray, at: int) -> torch.Tensor:
+    """The fp16 at byte `at` of every block -> fp32 [N, blocks]."""
+    return torch.from_numpy(blocks[:, :, at:at + 2].copy().view(np.float16)[..., 0]).float()
+
+
+def _nibbles(packed: np.ndarray) -> torch.Tensor:
+    """uint8 [..., B] -> int16 [..., 2B]: the B low nibbles, then the B high ones."""
+    nib = torch.from_numpy(np.ascontiguousarray(packed)).to(torch.int16)
+    return torch.cat((nib & 15, nib >> 4), dim=-1)
+
+
+def _q4_k_scales(scales: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 bytes of 6-bit scales and mins -> (scale [..., 8], min [..., 8]) int:
+    bytes 0-3 hold scales 0-3 (low 6 bits), 4-7 mins 0-3, 8-11 the low nibbles of scales 4-7
+    and high nibbles of mins 4-7, whose top 2 bits are the top bits of bytes 0-3 / 4-7."""
+    b = torch.from_numpy(np.ascontiguousarray(scales)).to(torch.int16)
+    low, high, mixed = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    scale = torch.cat((low & 63, (mixed & 15) | ((low >> 6) << 4)), dim=-1)
+    minimum = torch.cat((high & 63, (mixed >> 4) | ((high >> 6) << 4)), dim=-1)
+    return scale, minimum
+
+
 def parse_blocks(ggml_type: str, raw: np.ndarray, n: int, k: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """raw uint8 [N, bytes a row] of one of SERVED -> (d [N, G] fp32, q [N, K] int16,
-    m [N, G] fp32 or None), weight = d * q + m per block of 32."""
-    kind, size = SERVED[ggml_type]
-    groups = k // quant_layout.GROUP
-    blocks = np.ascontiguousarray(raw).reshape(n, groups, size)
-    d = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)[..., 0]).float()
-    if kind == "s8":
+    m [N, G] fp32 or None), weight = d * q + m per group of 32."""
+    kind, size, values = SERVED[ggml_type]
+    blocks = np.ascontiguousarray(raw).reshape(n, k // values, size)
+    d = _half(blocks, 0)
+    if ggml_type == "Q8_0":
         q = torch.from_numpy(blocks[:, :, 2:].copy().view(np.int8)).to(torch.int16)
         return d, q.reshape(n, k), None
-    start = 4 if ggml_type == "Q4_1" else 2
-    nib = torch.from_numpy(blocks[:, :, start:].copy()).to(torch.int16)  # [N, G, 16]
-    q = torch.cat((nib & 15, nib >> 4), dim=2).reshape(n, k)  # elements 0-15, then 16-31
+    if ggml_type == "Q5_0":  # 4 bytes of fifth bits (bit j: value j), 16 of nibbles
+        high = torch.from_numpy(blocks[:, :, 2:6].copy().view(np.uint32)[..., 0].astype(
+            np.int64))
+        fifth = (high.unsqueeze(-1) >> torch.arange(32)) & 1  # [N, G, 32]
+        q = _nibbles(blocks[:, :, 6:]) + 16 * fifth - 16
+        return d, q.to(torch.int16).reshape(n, k), None
+    if ggml_type == "Q4_K":  # d, dmin, 12 scale bytes, 4 x 32 bytes: sub blocks 2p, 2p + 1
+        scale, minimum = _q4_k_scales(blocks[:, :, 4:16])  # [N, S, 8]
+        d_sub = (d.unsqueeze(-1) * scale).reshape(n, -1)  # [N, G]: exact in fp32
+        m_sub = -(_half(blocks, 2).unsqueeze(-1) * minimum).reshape(n, -1)
+        codes = _nibbles(blocks[:, :, 16:].reshape(n, -1, 4, 32))  # [N, S, 4, 64]
+        return d_sub, codes.reshape(n, k), m_sub
+    q = _nibbles(blocks[:, :, 4 if ggml_type == "Q4_1" else 2:]).reshape(n, k)
     if ggml_type == "Q4_1":
-        m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0]).float()
-        return d, q, m
+        return d, q, _half(blocks, 2)
     return d, q, -8 * d  # Q4_0: d * (q - 8)
 
 
@@ -89,23 +127,41 @@ def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.reshape(heads, dim, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
-def read_quantized(path: str | Path, num_heads: int, num_kv_heads: int
+def _not_served(path: str | Path, tensor: str, type_name: str) -> GGUFError:
+    return GGUFError(f"{Path(path).name}: tensor {tensor} is {type_name}; the quantized "
+                     f"weights serve {', '.join(SERVED)} as they are (--quantization auto "
+                     f"serves such tensors dequantized, none the whole file)")
+
+
+class Served(dict):
+    """read_quantized's answer: the packed tensors by Hugging Face name, and `skipped`, the
+    tensors left dense (the file's tensor name -> GGML type)."""
+
+    def __init__(self, tensors: dict[str, QuantTensor], skipped: dict[str, str]) -> None:
+        super().__init__(tensors)
+        self.skipped = skipped
+
+
+def read_quantized(path: str | Path, num_heads: int, num_kv_heads: int, strict: bool = True
                    ) -> dict[str, QuantTensor]:
     """Every quantized projection and embedding of the file by its Hugging Face name, packed.
-    Raises GGUFError naming the tensor and type where a tensor is in a type not served."""
+    A tensor in a type not served: strict raises GGUFError naming the tensor and type; else it
+    is left out (served dense from the converted folder) and listed in `skipped`."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     out: dict[str, QuantTensor] = {}
+    skipped: dict[str, str] = {}
     for tensor in reader.tensors:
         type_name = tensor.tensor_type.name
         name = hf_name(tensor.name)
         if type_name in DENSE or name is None:
             continue
         if type_name not in SERVED:
-            raise GGUFError(f"{Path(path).name}: tensor {tensor.name} is {type_name}; the "
-                            f"quantized weights serve {', '.join(SERVED)} as they are "
-                            f"(--quantization none serves the file dequantized)")
+            if strict:
+                raise _not_served(path, tensor.name, type_name)
+            skipped[tensor.name] = type_name
+            continue
         k, n = (int(s) for s in tensor.shape)  # GGUF lists the row length first
         d, q, m = parse_blocks(type_name, tensor.data, n, k)
         heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
@@ -114,12 +170,12 @@ def read_quantized(path: str | Path, num_heads: int, num_kv_heads: int
             m = None if m is None else unpermute_rows(m, heads)
         kind = SERVED[type_name][0]
         out[name] = QuantTensor(type_name, kind, quant_layout.pack(kind, d, q, m), (n, k))
-    return out
+    return Served(out, skipped)
 
 
 # safetensors inside, not named *.safetensors: the loader reads every such file of the folder
 PACKED = "gguf-blocks.packed"
-PACKED_VERSION = "1"  # raise when quant_layout's bytes or parse_blocks' output change
+PACKED_VERSION = "2"  # raise when quant_layout's bytes or parse_blocks' output change
 
 
 def _file_key(path: Path) -> str:
@@ -128,7 +184,7 @@ def _file_key(path: Path) -> str:
 
 
 def read_quantized_cached(path: str | Path, num_heads: int, num_kv_heads: int,
-                          folder: Path | None) -> dict[str, QuantTensor]:
+                          folder: Path | None, strict: bool = True) -> Served:
     """read_quantized, kept in `folder` (the file's converted folder; None: not kept): a later
     call for the same file (size, mtime) and layout version maps the packed panels back."""
     from safetensors import safe_open
@@ -141,9 +197,12 @@ def read_quantized_cached(path: str | Path, num_heads: int, num_kv_heads: int,
             meta = f.metadata() or {}
             if meta.get("key") == _file_key(path):
                 info = json.loads(meta["tensors"])
-                return {name: QuantTensor(t, kind, f.get_tensor(name), tuple(shape))
-                        for name, (t, kind, shape) in info.items()}
-    tensors = read_quantized(path, num_heads, num_kv_heads)
+                skipped = json.loads(meta.get("skipped", "{}"))
+                if strict and skipped:
+                    raise _not_served(path, *next(iter(skipped.items())))
+                return Served({name: QuantTensor(t, kind, f.get_tensor(name), tuple(shape))
+                               for name, (t, kind, shape) in info.items()}, skipped)
+    tensors = read_quantized(path, num_heads, num_kv_heads, strict)
     if cached is not None:
         tmp = None
         try:  # written beside, renamed into place: a reader never sees half a file
@@ -152,7 +211,8 @@ def read_quantized_cached(path: str | Path, num_heads: int, num_kv_heads: int,
             os.chmod(tmp, 0o644)  # as the folder's other files
             info = {n: (t.type_name, t.kind, list(t.shape)) for n, t in tensors.items()}
             save_file({n: t.packed for n, t in tensors.items()}, tmp,
-                      metadata={"key": _file_key(path), "tensors": json.dumps(info)})
+                      metadata={"key": _file_key(path), "tensors": json.dumps(info),
+                                "skipped": json.dumps(tensors.skipped)})
             os.replace(tmp, cached)
         except OSError:  # a read-only cache: parse each time
             if tmp is not None:
@@ -171,8 +231,15 @@ def fuse_rows(parts: list[QuantTensor]) -> torch.Tensor | None:
 
 
 def types_of(tensors: dict[str, QuantTensor]) -> str:
-    """The source types served, with how many tensors each: 'Q4_1 x210, Q8_0 x1'."""
-    counts: dict[str, int] = {}
-    for t in tensors.values():
-        counts[t.type_name] = counts.get(t.type_name, 0) + 1
-    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+    """The source types served, with how many tensors each: 'Q4_1 x210, Q8_0 x1', and the
+    ones left dense: '; dense: Q6_K x12'."""
+    def count(types) -> str:
+        counts: dict[str, int] = {}
+        for t in types:
+            counts[t] = counts.get(t, 0) + 1
+        return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+
+    served = count(t.type_name for t in tensors.values())
+    skipped = getattr(tensors, "skipped", None)
+    return served + (f"; dense (no exact block form): {count(skipped.values())}"
+                     if skipped else "")
