@@ -107,13 +107,40 @@ inline void group_rows(const uint16_t* xg, int64_t ldx, const float* xs, int64_t
   }
 }
 
-// R rows against a panel: widened inline (Inline: at most one tile of rows, the weight read
-// once) or read from `wide` (G groups of 16 pairs, d, m', widened once for every tile). The
-// totals stay in registers over all of K. Up to kSplit rows sum exactly as row_bf16 does
-// (four chains a group, even groups and odd groups in two totals added at the end), so a
-// row's result does not depend on how many rows share the call: a speculating step's K + 1
-// rows give the tokens one row would (engine/speculative.py; without it SmolLM2's bf16
-// greedy output moved after a near tie).
+// One group of R rows, each pair widened straight into the rows' dot products (as row_groups
+// does for one row: no widened copy stored and read back; a 4-row SmolLM2 bf16 decode step
+// 8.95 -> 6.81 ms, median blocks of `tritonserve bench ab-trees`, 2-core Zen 4): C chains a
+// row, pair j on chain j % C, summed ((0 + 1) + 2) + 3, scaled into tot[r] -- with C = 4 the
+// order row_bf16 sums in, with C = 1 group_rows<R, 1>'s
+template <int R, int C, Kind kind>
+inline void rows_group(const uint16_t* xg, int64_t ldx, const float* xs, int64_t G,
+                       int64_t g, const uint8_t* rec, __m512 (&tot)[R]) {
+  __m512 acc[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    const __m512i pair = pair_of<kind>(rec, j);
+    for (int r = 0; r < R; ++r) dp_row(acc[j % C][r], pair, xg + r * ldx + 2 * j);
+  }
+  for (int c = 1; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[0][r] = _mm512_add_ps(acc[0][r], acc[c][r]);
+  __m512 d, m;
+  group_scales<kind>(rec, d, m);
+  for (int r = 0; r < R; ++r) {
+    tot[r] = _mm512_fmadd_ps(d, acc[0][r], tot[r]);
+    if constexpr (kind == Kind::kU4)
+      tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), tot[r]);
+  }
+}
+
+// R rows against a panel: widened inline into the products (rows_group; Inline: at most one
+// tile of rows, the weight read once) or read from `wide` (G groups of 16 pairs, d, m',
+// widened once for every tile). The totals stay in registers over all of K. Up to kSplit
+// rows sum exactly as row_bf16 does (four chains a group, even groups and odd groups in two
+// totals added at the end), so a row's result does not depend on how many rows share the
+// call: a speculating step's K + 1 rows give the tokens one row would
+// (engine/speculative.py; without it SmolLM2's bf16 greedy output moved after a near tie).
 template <int R, Kind kind, bool Inline>
 inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G,
                       const uint8_t* w, const __m512i* wide, uint16_t* y, int64_t ldy,
@@ -124,26 +151,20 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G
   __m512 tot[2][R];
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < R; ++r) tot[h][r] = _mm512_setzero_ps();
-  alignas(64) __m512i local[16];
   for (int64_t g = 0; g < G; ++g) {
-    const __m512i* pairs = wide + g * 18;
-    __m512 d, m;
+    __m512(&into)[R] = (invariant && (g & 1)) ? tot[1] : tot[0];
     if constexpr (Inline) {
       const uint8_t* rec = w + g * bytes;
       // past the panel's end: the next panel's records, which follow in memory
-        for (int64_t line = 0; line < bytes; line += 64)
-          __builtin_prefetch(rec + kAhead * bytes + line, 0, 3);
-      widen_group<kind>(rec, local);
-      pairs = local;
-      group_scales<kind>(rec, d, m);
+      for (int64_t line = 0; line < bytes; line += 64)
+        __builtin_prefetch(rec + kAhead * bytes + line, 0, 3);
+      rows_group<R, C, kind>(x + g * kGroup, ldx, xs, G, g, rec, into);
     } else {
-      d = _mm512_castsi512_ps(pairs[16]), m = _mm512_castsi512_ps(pairs[17]);
+      const __m512i* pairs = wide + g * 18;
+      group_rows<R, C, kind>(x + g * kGroup, ldx, xs, G, g, pairs,
+                             _mm512_castsi512_ps(pairs[16]), _mm512_castsi512_ps(pairs[17]),
+                             into);
     }
-    const uint16_t* xg = x + g * kGroup;
-    if (invariant && (g & 1))
-      group_rows<R, C, kind>(xg, ldx, xs, G, g, pairs, d, m, tot[1]);
-    else
-      group_rows<R, C, kind>(xg, ldx, xs, G, g, pairs, d, m, tot[0]);
   }
   const __mmask16 mask = ncols >= kCols ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
   const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
