@@ -4,6 +4,8 @@
 // and use panels_quant.h's tile instead.
 #pragma once
 
+#include <utility>
+
 #include "panels_quant.h"
 
 namespace tritonserve_panels_quant {
@@ -86,47 +88,26 @@ inline void group_scales(const uint8_t* rec, __m512& d, __m512& m) {
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32))));
 }
 
-// One group of R rows into tot: C chains of sums a row, pair j on chain j % C, summed
-// ((0 + 1) + 2) + 3 at the group's end, scaled into tot
-template <int R, int C, Kind kind>
+// One group of R rows into tot: pair(j) gives the group's pair j (pair_of the record,
+// widened straight into the products: no widened copy stored and read back, a 4-row SmolLM2
+// bf16 decode step 8.95 -> 6.81 ms in median blocks of `tritonserve bench ab-trees` on a
+// 2-core Zen 4; or the scratch's copy past one tile of rows). C chains of sums a row, pair j
+// on chain j % C, summed ((0 + 1) + 2) + 3 at the group's end, scaled into tot: with C = 4
+// the order row_bf16 sums in.
+template <int R, int C, Kind kind, typename Pair, typename Scales>
 inline void group_rows(const uint16_t* xg, int64_t ldx, const float* xs, int64_t G, int64_t g,
-                       const __m512i* pairs, __m512 d, __m512 m, __m512 (&tot)[R]) {
-  __m512 acc[C][R];
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
-#pragma GCC unroll 16
-  for (int j = 0; j < 16; j += C)
-    for (int c = 0; c < C; ++c)
-      for (int r = 0; r < R; ++r) dp_row(acc[c][r], pairs[j + c], xg + r * ldx + 2 * (j + c));
-  for (int c = 1; c < C; ++c)
-    for (int r = 0; r < R; ++r) acc[0][r] = _mm512_add_ps(acc[0][r], acc[c][r]);
-  for (int r = 0; r < R; ++r) {
-    tot[r] = _mm512_fmadd_ps(d, acc[0][r], tot[r]);
-    if constexpr (kind == Kind::kU4)
-      tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), tot[r]);
-  }
-}
-
-// One group of R rows, each pair widened straight into the rows' dot products (as row_groups
-// does for one row: no widened copy stored and read back; a 4-row SmolLM2 bf16 decode step
-// 8.95 -> 6.81 ms, median blocks of `tritonserve bench ab-trees`, 2-core Zen 4): C chains a
-// row, pair j on chain j % C, summed ((0 + 1) + 2) + 3, scaled into tot[r] -- with C = 4 the
-// order row_bf16 sums in, with C = 1 group_rows<R, 1>'s
-template <int R, int C, Kind kind>
-inline void rows_group(const uint16_t* xg, int64_t ldx, const float* xs, int64_t G,
-                       int64_t g, const uint8_t* rec, __m512 (&tot)[R]) {
+                       Pair pair, Scales scales, __m512 (&tot)[R]) {
   __m512 acc[C][R];
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
 #pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) {
-    const __m512i pair = pair_of<kind>(rec, j);
-    for (int r = 0; r < R; ++r) dp_row(acc[j % C][r], pair, xg + r * ldx + 2 * j);
+    const __m512i p = pair(j);
+    for (int r = 0; r < R; ++r) dp_row(acc[j % C][r], p, xg + r * ldx + 2 * j);
   }
   for (int c = 1; c < C; ++c)
     for (int r = 0; r < R; ++r) acc[0][r] = _mm512_add_ps(acc[0][r], acc[c][r]);
-  __m512 d, m;
-  group_scales<kind>(rec, d, m);
+  const auto [d, m] = scales();  // d and m' (group_scales), loaded after the products
   for (int r = 0; r < R; ++r) {
     tot[r] = _mm512_fmadd_ps(d, acc[0][r], tot[r]);
     if constexpr (kind == Kind::kU4)
@@ -134,7 +115,7 @@ inline void rows_group(const uint16_t* xg, int64_t ldx, const float* xs, int64_t
   }
 }
 
-// R rows against a panel: widened inline into the products (rows_group; Inline: at most one
+// R rows against a panel: widened inline into the products (Inline: at most one
 // tile of rows, the weight read once) or read from `wide` (G groups of 16 pairs, d, m',
 // widened once for every tile). The totals stay in registers over all of K. Up to kSplit
 // rows sum exactly as row_bf16 does (four chains a group, even groups and odd groups in two
@@ -153,17 +134,28 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G
     for (int r = 0; r < R; ++r) tot[h][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m512(&into)[R] = (invariant && (g & 1)) ? tot[1] : tot[0];
+    const uint16_t* xg = x + g * kGroup;
     if constexpr (Inline) {
       const uint8_t* rec = w + g * bytes;
       // past the panel's end: the next panel's records, which follow in memory
       for (int64_t line = 0; line < bytes; line += 64)
         __builtin_prefetch(rec + kAhead * bytes + line, 0, 3);
-      rows_group<R, C, kind>(x + g * kGroup, ldx, xs, G, g, rec, into);
+      group_rows<R, C, kind>(
+          xg, ldx, xs, G, g, [rec](int j) { return pair_of<kind>(rec, j); },
+          [rec] {
+            __m512 d, m;
+            group_scales<kind>(rec, d, m);
+            return std::pair{d, m};
+          },
+          into);
     } else {
       const __m512i* pairs = wide + g * 18;
-      group_rows<R, C, kind>(x + g * kGroup, ldx, xs, G, g, pairs,
-                             _mm512_castsi512_ps(pairs[16]), _mm512_castsi512_ps(pairs[17]),
-                             into);
+      group_rows<R, C, kind>(
+          xg, ldx, xs, G, g, [pairs](int j) { return pairs[j]; },
+          [pairs] {
+            return std::pair{_mm512_castsi512_ps(pairs[16]), _mm512_castsi512_ps(pairs[17])};
+          },
+          into);
     }
   }
   const __mmask16 mask = ncols >= kCols ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
