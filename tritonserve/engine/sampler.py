@@ -94,14 +94,12 @@ class Sampler:
         # for top-k 50 + top-p 0.9 against 2.51 / 1.94 (docs/benchmarks.md, "On a GPU"). By
         # a row's own parameters, so a seeded row draws the same token in any batch.
         self._sample = functools.partial(torch.ops.tritonserve.sample, backend="torch")
-        self._plain_draw = self._triton_plain if draw == "triton" else None
         # draw cpu, the rows that filter nothing (the server's default sampling): one C++
         # pass a row instead of softmax, max and chunk passes over [B, V] (the sampler phase
         # of a batch-64 SmolLM2 step 2.4 -> 0.6 ms). Chosen by a row's own parameters, so a
         # seeded row draws the same token in any batch.
         self._softmax_draw = cpu.op("sample_softmax") if draw == "cpu" else None
-        if self._softmax_draw is not None:
-            self._plain_draw = self._softmax_draw
+        self._plain_draw = self._triton_plain if draw == "triton" else self._softmax_draw
         self.vocab_size = vocab_size
         self._rng = torch.Generator().manual_seed(seed)
         self.state = SamplingState(vocab_size, max_model_len, device)
