@@ -20,8 +20,10 @@ source tritonserve/bench/machine.sh
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
 $py -m tritonserve.server --port 8151 --max-num-seqs 64 > "$out/plain.log" 2>&1 & pids+=($!)
+# SPEC_ARGS: other speculation flags for the speculating server (e.g. "--ngram-min 1")
+read -r -a spec_args <<< "${SPEC_ARGS:-}"
 $py -m tritonserve.server --port 8152 --max-num-seqs 64 --speculative-method ngram \
-  > "$out/spec.log" 2>&1 & pids+=($!)
+  "${spec_args[@]}" > "$out/spec.log" 2>&1 & pids+=($!)
 until grep -q READY "$out/plain.log" && grep -q READY "$out/spec.log"; do sleep 1; done
 machine | sed 's/^/before: /' | tee "$out/machine.txt"
 names=(plain spec); ports=(8151 8152)
