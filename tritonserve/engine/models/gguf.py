@@ -143,7 +143,7 @@ class Served(dict):
 
 
 def read_quantized(path: str | Path, num_heads: int, num_kv_heads: int, strict: bool = True
-                   ) -> dict[str, QuantTensor]:
+                   ) -> Served:
     """Every quantized projection and embedding of the file by its Hugging Face name, packed.
     A tensor in a type not served: strict raises GGUFError naming the tensor and type; else it
     is left out (served dense from the converted folder) and listed in `skipped`."""
