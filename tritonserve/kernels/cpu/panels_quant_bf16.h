@@ -137,9 +137,7 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G
     const uint16_t* xg = x + g * kGroup;
     if constexpr (Inline) {
       const uint8_t* rec = w + g * bytes;
-      // past the panel's end: the next panel's records, which follow in memory
-      for (int64_t line = 0; line < bytes; line += 64)
-        __builtin_prefetch(rec + kAhead * bytes + line, 0, 3);
+      prefetch_ahead(rec, bytes);
       group_rows<R, C, kind>(
           xg, ldx, xs, G, g, [rec](int j) { return pair_of<kind>(rec, j); },
           [rec] {
@@ -175,8 +173,7 @@ inline void row_groups(const uint16_t* x, const float* xs, const uint8_t* w, int
                        __m512 (&tot)[2]) {
   constexpr int64_t bytes = kind == Kind::kU4 ? kU4Bytes : kS8Bytes;
   const uint8_t* rec = w + g * bytes;
-  for (int64_t line = 0; line < N * bytes; line += 64)
-    __builtin_prefetch(rec + kAhead * bytes + line, 0, 3);
+  prefetch_ahead(rec, N * bytes);
   __m512 acc[N][4];
   for (int n = 0; n < N; ++n)
     for (int c = 0; c < 4; ++c) acc[n][c] = _mm512_setzero_ps();
