@@ -174,22 +174,6 @@ struct Team {
     while (take(own[t], true, p)) product(st.mm[i], in, y, ldy, p);
     for (int64_t other = 1; other < threads; ++other)
       while (take(own[(t + other) % threads], false, p)) product(st.mm[i], in, y, ldy, p);
-    if (i + 1 < static_cast<int64_t>(st.mm.size())) prefetch_share(st.mm[i + 1]);
-  }
-
-  // The start of this thread's share of a quantized matmul asked into L2 before the barrier
-  // and the phase in between (the bf16 tile's own prefetch runs kAheadBytes ahead of it, so a
-  // share's first records would come cold): SmolLM2's 120 Q4_1 matmuls in a C++ harness,
-  // cache flushed, 2 threads, Zen 4: 2.87 -> 2.80 and 2.61 -> 2.55 ms a pass (in the engine
-  // within the VM's noise: ab-trees medians 0.81 / 1.05 / 0.98x). The fp32 tile asks into L1
-  // (panels_quant.h), so not there.
-  void prefetch_share(const Matmul& m) {
-    if (!kBf16 || !m.quant) return;
-    namespace pq = tritonserve_panels_quant;
-    const int64_t panel = (m.K / pq::kGroup) * pq::record_bytes(m.kind);
-    const auto* start = static_cast<const uint8_t*>(m.w) + t * m.P / st.threads * panel;
-    const int64_t bytes = std::min(pq::kAheadBytes, (m.P / st.threads) * panel);
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(start + line, 0, 1);
   }
 
   // a quantized matmul's input group sums (panels_quant.h), this thread's copy
