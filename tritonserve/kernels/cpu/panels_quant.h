@@ -36,25 +36,12 @@ constexpr int64_t kGroup = 32;  // k a scale group
 constexpr int64_t kU4Bytes = 64 + 256;
 constexpr int64_t kS8Bytes = 32 + 512;
 constexpr int kRows = 8;  // rows a register tile: 8 group sums + 8 totals
-// How far ahead of the record it widens the bf16 tile (panels_quant_bf16.h) asks for the
-// weights, into L2 (prefetcht2; past a panel's end the next panel's records, which follow in
-// memory): the hardware prefetcher alone left the widening and the weight stream apart.
-// Asked into L1 (prefetcht0) 8 records ahead, the cold Q8_0 lm_head (30 MB) read at 16-19 GB/s
-// while a sum of the same bytes read 31-33: the widening and the misses took turns. A C++
-// harness of SmolLM2's 120 Q4_1 layer matmuls + the Q8_0 head on huge pages, cache flushed
-// before each pass, configs alternated in one process (2 threads, Zen 4): L1 8 records ahead
-// 4.1-4.4 + 1.9 ms a step; into L2 12 KB ahead 2.95-3.0 + 0.86 (the sum of the 96 MB:
-// 2.9-3.0); 4-8 KB left the head at 1.3-1.5 ms, 16-48 KB the same or slower; prefetchnta
-// like prefetcht0. (Earlier harness passes that did not flush the cache saw no difference.)
-constexpr int64_t kAheadBytes = 12 << 10;
-// The fp32 tile (more work a byte: FMAs on widened codes) keeps asking 8 records ahead into
-// L1: the bf16 tile's L2 distance measured slower there (the same harness with fp32 x, seven
-// alternations: medians 3.5-4.4 against 3.8-6.0 ms a pass).
+// Records ahead the fp32 tile asks for into L1 (prefetcht0): the hardware prefetcher alone
+// left the widening and the weight stream apart. The bf16 tile asks into L2 instead
+// (panels_quant_bf16.h, kAheadBytes); here (FMAs on widened codes: more work a byte) that
+// measured slower: kAheadBytes' harness with fp32 x, seven alternations, medians 3.5-4.4 against
+// 3.8-6.0 ms a pass.
 constexpr int64_t kFp32Ahead = 8;
-inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {  // the bf16 tile's
-  for (int64_t line = 0; line < bytes; line += 64)
-    __builtin_prefetch(rec + kAheadBytes + line, 0, 1);
-}
 // Up to this many rows a tile keeps two chains of sums a row (even and odd k pairs): one chain
 // of a group's 16 dependent vdpbf16ps (or 32 FMAs) a row left batch 1 waiting on latency.
 // One row keeps four in the bf16 tile: SmolLM2's 120 Q4_1 layer matmuls on huge pages

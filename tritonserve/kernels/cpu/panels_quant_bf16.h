@@ -10,6 +10,22 @@
 
 namespace tritonserve_panels_quant {
 
+// How far ahead of the record it widens the tile asks for the weights, into L2 (prefetcht2;
+// past a panel's end the next panel's records, which follow in memory): the hardware
+// prefetcher alone left the widening and the weight stream apart. Asked into L1 (prefetcht0) 8
+// records ahead (the fp32 tile's way, panels_quant.h), the cold Q8_0 lm_head (30 MB) read at
+// 16-19 GB/s while a sum of the same bytes read 31-33: the widening and the misses took turns.
+// A C++ harness of SmolLM2's 120 Q4_1 layer matmuls + the Q8_0 head on huge pages, cache
+// flushed before each pass, configs alternated in one process (2 threads, Zen 4): L1 8 records
+// ahead 4.1-4.4 + 1.9 ms a step; into L2 12 KB ahead 2.95-3.0 + 0.86 (the sum of the 96 MB:
+// 2.9-3.0); 4-8 KB left the head at 1.3-1.5 ms, 16-48 KB the same or slower; prefetchnta like
+// prefetcht0 (docs/perf-log/2026-12-04-quantized-weights.md, "prefetching into L2").
+constexpr int64_t kAheadBytes = 12 << 10;
+inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    __builtin_prefetch(rec + kAheadBytes + line, 0, 1);
+}
+
 // xs[r * G + g] = group sums of bf16 rows (exact widening, fp32 sums)
 inline void group_sums_bf16(const uint16_t* x, int64_t ldx, int64_t R, int64_t K, float* xs) {
   const int64_t G = K / kGroup;
