@@ -197,6 +197,48 @@ def test_the_op_refuses_bad_metadata_before_writing(op_models):
     assert not torch.equal(caches[0][0].view(-1, 64)[36], before[0][0].view(-1, 64)[36])
 
 
+@needs_op
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_op_looks_up_and_norms_as_the_model_does(op_models, dtype):
+    """With input_ids, positions and final_norm the op takes the embedding and rope tables
+    whole and ends with the final norm: bit for bit the op fed the model's own lookups, then
+    the model's final add + norm; the same cache writes. A token id or position past its
+    table raises naming it, before anything is written."""
+    llm = LLM(op_models["llama"], dtype=dtype, decode_mode="eager", max_num_seqs=2,
+              num_blocks=8)
+    runner = llm.engine.runner
+    model = runner.model
+    op = cpu.decode_layers(getattr(torch, dtype), 64, 2, 16)
+    args = _op_args(model, runner.kv_caches, torch.tensor([3, 36]),
+                    torch.tensor([4, 5], dtype=torch.int32))
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+
+    def run(**over):
+        caches = [(k.clone(), v.clone()) for k, v in before]
+        out = op(**dict(args, k_caches=[k for k, _ in caches],
+                        v_caches=[v for _, v in caches], **over))
+        return out, caches
+
+    (x, residual), caches = run()
+    want = model.norm(x.clone(), residual.clone())
+    table = model.embed_tokens.weight
+    cos, sin = (t.to(table.dtype).unsqueeze(1) for t in (model.rope.cos, model.rope.sin))
+    ids, positions = torch.tensor([5, 6]), torch.tensor([3, 4])
+    whole = dict(x=table, cos=cos, sin=sin, input_ids=ids, positions=positions,
+                 final_norm=model.norm.weight)
+    (got, got_residual), got_caches = run(**whole)
+    assert torch.equal(got, want[0]) and torch.equal(got_residual, want[1])
+    assert all(torch.equal(a, b) for pair, pair0 in zip(caches, got_caches)
+               for a, b in zip(pair, pair0))
+    vocab, positions_n = table.shape[0], cos.shape[0]
+    with pytest.raises(RuntimeError, match=f"input_ids: token id {vocab} out of range"):
+        run(**dict(whole, input_ids=torch.tensor([5, vocab])))
+    with pytest.raises(RuntimeError, match=f"positions: position {positions_n} out of range"):
+        run(**dict(whole, positions=torch.tensor([positions_n, 4])))
+    torch.library.opcheck(torch.ops.tritonserve.decode_layers.default, (), dict(args, **whole),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def _op_args(model, caches, slot_mapping, seq_lens) -> dict:
     """The op's arguments for two decode rows of `model` (block tables of 2 pages of 16; the
     rows' slots and lengths as given)."""

@@ -18,6 +18,8 @@ from tritonserve.kernels import cpu, reference
 
 @dataclass(frozen=True)
 class AttentionMetadata:
+    """One step's attention inputs, made by ModelRunner.prepare and never written after
+    (a backend may keep what it derives from them for the step's other layers)."""
     slot_mapping: torch.Tensor  # [num_tokens] int64, block * block_size + offset
     num_decode_tokens: int | None  # None: every token (a dynamic compiled decode graph)
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
@@ -187,6 +189,7 @@ class CpuAttention(TorchAttention):
         # (batch 1, SmolLM2), 2 ms of a 44 ms step
         self.decode_traced = self.cpu_decode
         self.cpu_rope_store = cpu.op("rope_store_kv")
+        self._rows = None  # the last prefill's (inputs, rows): _rows_of
 
     def rope_store(self, qkv):
         """bf16 / fp16: the C++ op (fp32 math rounded once, as rotary_embedding); fp32 keeps
@@ -207,13 +210,24 @@ class CpuAttention(TorchAttention):
         if self.cpu_decode is None or max_q_len > PREFILL_AS_DECODE_MAX:
             return super().prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                    max_q_len, scale)
-        # every query row a decode row over its first position + 1 tokens, read in place
+        tables, lens = self._rows_of(block_tables, cu_seqlens_q, seq_lens)
+        return self.cpu_decode(q, k_cache, v_cache, tables, lens, scale, cached=True)
+
+    def _rows_of(self, block_tables, cu_seqlens_q, seq_lens):
+        """Every query row as a decode row over its first position + 1 tokens: its block
+        table and length. Every layer of a step asks with the same tensors (AttentionMetadata
+        is never written once made), so the rows are made once a step: 30 layers x 51 us =
+        1.5 ms of SmolLM2's 45 ms 64-token prefill."""
+        key = (block_tables, cu_seqlens_q, seq_lens)
+        if self._rows is not None and all(a is b for a, b in zip(key, self._rows[0])):
+            return self._rows[1]
         q_lens = cu_seqlens_q.diff().long()  # [S]
         seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
-        offset = torch.arange(q.shape[0]) - cu_seqlens_q[:-1].long()[seq_of_row]
+        offset = torch.arange(len(seq_of_row)) - cu_seqlens_q[:-1].long()[seq_of_row]
         lens = seq_lens.long()[seq_of_row] - q_lens[seq_of_row] + offset + 1  # [T]
-        return self.cpu_decode(q, k_cache, v_cache, block_tables[seq_of_row],
-                               lens.to(torch.int32), scale, cached=True)
+        rows = (block_tables[seq_of_row], lens.to(torch.int32))
+        self._rows = (key, rows)
+        return rows
 
 
 class TritonAttention(AttentionBackend):

@@ -100,7 +100,11 @@ OPS: tuple[tuple[str, object, str], ...] = (
      "-> x @ dequantize(weight)^T + bias in x's dtype, the weight widened in registers "
      "(linear_quant.cpp)"),
     ("decode_layers",
-     lambda x, *args: (x.new_empty(x.shape), x.new_empty(x.shape)),
+     lambda x, norms, panels, biases, cos, sin, slot_mapping, k_caches, v_caches, block_tables,
+     seq_lens, num_heads, eps, scale, input_ids=None, positions=None, final_norm=None: (
+         (x.new_empty(x.shape), x.new_empty(x.shape)) if input_ids is None else
+         (x.new_empty(input_ids.shape[0], x.shape[1]),
+          x.new_empty(input_ids.shape[0], x.shape[1]))),
      "a decode step's whole decoder stack in one parallel region (decode_layers.cpp); ask "
      "through decode_layers(dtype, ...), which checks this build runs the shapes"),
     ("sample_softmax",

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -56,6 +57,11 @@ struct Args {
   const torch::Tensor& seq_lens;
   int64_t num_heads;
   double eps, scale;
+  // the step's own lookups and final norm, done here (the schema's optional three): x is then
+  // the embedding table [V, H] and cos / sin the rope tables [P, 1, D] in x's dtype
+  const c10::optional<torch::Tensor>& input_ids;  // [M] int64: rows of x
+  const c10::optional<torch::Tensor>& positions;  // [M] int64: rows of cos / sin
+  const c10::optional<torch::Tensor>& final_norm;  // [H]: the model's last RMSNorm
 };
 
 // One matmul of the stack: P panels of a K-wide input's weight with N outputs, an fp32 bias
@@ -115,6 +121,17 @@ struct Stack {
     const auto dtype = a.x.scalar_type();
     L = static_cast<int64_t>(a.k_caches.size());
     M = a.x.size(0), H = a.x.size(1);
+    if (a.input_ids) {
+      const auto& ids = *a.input_ids;
+      TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64,
+                  "decode_layers: input_ids must be int64 [M]");
+      M = ids.size(0);
+      in_range(ids, a.x.size(0), "input_ids", "token id");
+    }
+    if (a.final_norm)
+      TORCH_CHECK(a.final_norm->numel() == H && a.final_norm->is_contiguous() &&
+                      a.final_norm->scalar_type() == dtype,
+                  "decode_layers: final_norm must be [H] in x's dtype");
     const auto& k0 = a.k_caches[0];
     block_size = k0.size(1), kv_heads = k0.size(2), D = k0.size(3);
     for (int64_t l = 0; l < L; ++l)
@@ -130,9 +147,17 @@ struct Stack {
                 "decode_layers: no attention instance for head size ", D, ", group ", group,
                 ", block size ", block_size);
     q_size = a.num_heads * D, kv_size = kv_heads * D, qkv_n = q_size + 2 * kv_size;
-    TORCH_CHECK(a.cos.numel() == M * D && a.sin.numel() == M * D &&
+    const int64_t rope_rows = a.positions ? a.cos.size(0) : M;
+    TORCH_CHECK(a.cos.numel() == rope_rows * D && a.sin.numel() == rope_rows * D &&
                     a.cos.scalar_type() == dtype && a.sin.scalar_type() == dtype,
-                "decode_layers: cos and sin must be [M, 1, D] in x's dtype");
+                "decode_layers: cos and sin must be [M, 1, D] (with positions: [P, 1, D]) "
+                "in x's dtype");
+    if (a.positions) {
+      TORCH_CHECK(a.positions->dim() == 1 && a.positions->size(0) == M &&
+                      a.positions->scalar_type() == torch::kInt64,
+                  "decode_layers: positions must be int64 [M]");
+      in_range(*a.positions, rope_rows, "positions", "position");
+    }
     TORCH_CHECK(a.slot_mapping.dim() == 1 && a.slot_mapping.size(0) == M &&
                     a.slot_mapping.scalar_type() == torch::kInt64,
                 "decode_layers: slot_mapping must be int64 [M]");
@@ -150,6 +175,29 @@ struct Stack {
       TORCH_CHECK(n >= 1 && n <= width * block_size, "decode_layers: seq_len ", n,
                   " out of range [1, ", width * block_size, "]");
     }
+  }
+
+  // every index of `idx` in [0, n), checked before anything is written
+  static void in_range(const torch::Tensor& idx, int64_t n, const char* name, const char* what) {
+    const auto c = idx.contiguous();
+    const int64_t* p = c.data_ptr<int64_t>();
+    for (int64_t i = 0; i < c.numel(); ++i)
+      TORCH_CHECK(p[i] >= 0 && p[i] < n, "decode_layers: ", name, ": ", what, " ", p[i],
+                  " out of range [0, ", n, ")");
+  }
+
+  // rows idx of table [n, width] (contiguous): a new [M, width] tensor
+  static torch::Tensor gather(const torch::Tensor& table, const torch::Tensor& idx,
+                              int64_t width) {
+    const auto t = table.contiguous();
+    const auto c = idx.contiguous();
+    auto out = torch::empty({c.numel(), width}, t.options());
+    const int64_t* p = c.data_ptr<int64_t>();
+    const size_t row = width * t.element_size();
+    for (int64_t i = 0; i < c.numel(); ++i)
+      std::memcpy(static_cast<char*>(out.data_ptr()) + i * row,
+                  static_cast<const char*>(t.data_ptr()) + p[i] * row, row);
+    return out;
   }
 
   // down's input width (the intermediate size), from its panels in any form
@@ -205,8 +253,10 @@ struct Stack {
   void allocate() {
     threads = std::max<int64_t>(1, at::get_num_threads());
     auto opts = a.x.options();
-    c = a.cos.contiguous(), s = a.sin.contiguous();
-    xs = a.x.clone();                                 // [M, H]: the input, then down's output
+    c = a.positions ? gather(a.cos, *a.positions, D) : a.cos.contiguous();
+    s = a.positions ? gather(a.sin, *a.positions, D) : a.sin.contiguous();
+    // [M, H]: the input, then down's output
+    xs = a.input_ids ? gather(a.x, *a.input_ids, H) : a.x.clone();
     qkv = torch::empty({M, qkv_n}, opts);             // [M, (Hq + 2 Hk) D]
     q = torch::empty({M, q_size}, opts);              // [M, Hq D] rotated
     Mp = tritonserve_amx::padded_rows(M);             // a matmul input's rows (contracts)
