@@ -93,3 +93,27 @@ def test_ab_trees_alternates_two_checkouts_and_tabulates_the_ratio():
     row = next(line for line in lines if line.startswith("| 1 |"))
     best_ratio = float(row.split("|")[4].split("/")[0])
     assert 0.5 < best_ratio < 2.0, row
+
+
+def test_bench_bound_puts_each_round_beside_its_read_rate(tiny_model):
+    """bench bound: the bytes a step streams (the tiny model's projections and its lm_head),
+    then a line a round whose floor is those bytes over that round's read rate."""
+    from tritonserve.bench.bound import streamed_bytes
+    from tritonserve.engine import LLM
+    proc = subprocess.run([sys.executable, "-m", "tritonserve.bench", "bound", "--model",
+                           tiny_model, "--rounds", "2", "--steps", "3", "--input-len", "5"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    model = LLM(tiny_model, max_num_seqs=1).engine.runner.model
+    streamed, per = streamed_bytes(model)
+    assert len(per) == 4 and sum(per) < streamed
+    assert lines[0].startswith(f"a step streams {streamed / 1e6:.1f} MB")
+    rounds = [line for line in lines if line.startswith("round ")]
+    assert len(rounds) == 2
+    for line in rounds:
+        read = float(line.split("read ")[1].split(" GB/s")[0])
+        step = float(line.split("step ")[1].split(" ms")[0])
+        floor = float(line.split("floor ")[1].split(" ms")[0])
+        assert read > 0 and step > 0
+        assert floor == pytest.approx(streamed / (read * 1e9) * 1e3, abs=6e-4)

@@ -1,5 +1,6 @@
 """tritonserve bench {throughput,profile,kernels,serve,conformance,grammar,loading,
-    engine-check,compile-probe,cpu-decode,cpu-linear,quant-accuracy,ab-trees,tp-cost} ..."""
+    engine-check,compile-probe,cpu-decode,cpu-linear,quant-accuracy,ab-trees,tp-cost,
+    bound} ..."""
 from __future__ import annotations
 
 import importlib
@@ -20,6 +21,7 @@ COMMANDS = {
     "quant-accuracy": "tritonserve.bench.quant_accuracy",
     "ab-trees": "tritonserve.bench.ab_trees",
     "tp-cost": "tritonserve.bench.tp_cost",
+    "bound": "tritonserve.bench.bound",
 }
 
 
