@@ -9,8 +9,9 @@ Per round: the read rate, the step's median, the floor (the bytes a step streams
 projections and the lm_head -- over that read rate), the step's share of it, and
 decode_layers' matmul phases as GB/s of their own weights (thread 0's busy time). A step
 that tracks the read rate is memory-bound; one that keeps its time while the read rate moves
-is bound by its own work (on a 2-core Zen 4 the Q4_1 tiles widen ~32-36 GB/s of blocks:
-docs/perf-log/2026-12-04-quantized-weights.md, "Compute, not memory").
+is bound by its own work (on a 2-core Zen 4 the Q4_1 tiles stream ~27-36 GB/s of blocks
+while the machine reads up to 59: docs/perf-log/2026-12-04-quantized-weights.md, "The tiles,
+not DRAM").
 """
 from __future__ import annotations
 
