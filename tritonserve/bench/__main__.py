@@ -1,6 +1,6 @@
 """tritonserve bench {throughput,profile,kernels,serve,conformance,grammar,loading,
     engine-check,compile-probe,cpu-decode,cpu-linear,quant-accuracy,ab-trees,tp-cost,
-    bound} ..."""
+    bound,gguf-table} ..."""
 from __future__ import annotations
 
 import importlib
@@ -22,6 +22,7 @@ COMMANDS = {
     "ab-trees": "tritonserve.bench.ab_trees",
     "tp-cost": "tritonserve.bench.tp_cost",
     "bound": "tritonserve.bench.bound",
+    "gguf-table": "tritonserve.bench.gguf_table",
 }
 
 

