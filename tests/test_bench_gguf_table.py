@@ -7,18 +7,19 @@ import sys
 from tritonserve.bench import gguf_table
 
 
-def _result(folder, name, tok_s, tpot, ttft=50.0, reads=None, tokens=512):
+def _result(folder, name, tok_s, tpot, ttft=50.0, reads=None, tokens=512, core_ns=None):
     (folder / f"{name}.json").write_text(json.dumps(
         {"output_throughput": tok_s, "median_tpot_ms": tpot, "median_ttft_ms": ttft,
          "completed": 8, "total_output_tokens": tokens}))
     if reads is not None:
+        core_ns = core_ns or [None] * len(reads)
         (folder / f"{name}.read.json").write_text("".join(
-            json.dumps({"read_GB/s": r, "floor_1_stream_tok/s": r / 0.0964}) + "\n"
-            for r in reads))
+            json.dumps({"read_GB/s": r, "floor_1_stream_tok/s": r / 0.0964,
+                        "core_to_core_ns": ns}) + "\n" for r, ns in zip(reads, core_ns)))
 
 
 def test_ratios_and_the_floor_of_each_cells_own_minutes(tmp_path):
-    _result(tmp_path, "ours_c1_greedy", 200.0, 4.0, reads=[30.0, 34.0])
+    _result(tmp_path, "ours_c1_greedy", 200.0, 4.0, reads=[30.0, 34.0], core_ns=[32.0, 35.0])
     _result(tmp_path, "ours_bf16_c1_greedy", 100.0, 9.0, reads=[60.0, 60.0])
     _result(tmp_path, "llama_c1_greedy", 50.0, 15.0, reads=[40.0, 40.0])
     _result(tmp_path, "ours_c16_default", 600.0, 20.0)
@@ -34,7 +35,7 @@ def test_ratios_and_the_floor_of_each_cells_own_minutes(tmp_path):
     # ours' own reads (mean 32 GB/s) set its floor, not the other servers' minutes
     floor = 32.0 * 1e3 / gguf_table.FILE_MB
     note = next(line for line in lines if line.startswith("1 stream greedy"))
-    assert f"floor {floor:.0f} tok/s" in note
+    assert f"floor {floor:.0f} tok/s" in note and "(one CCD)" in note
     assert f"{100 * 200.0 / floor:.0f} % of it by output tok/s" in note
     assert f"{100 * 250.0 / floor:.0f} % by TPOT" in note
 
@@ -50,3 +51,15 @@ def test_the_command_refuses_a_missing_folder(tmp_path):
     run = subprocess.run([sys.executable, "-m", "tritonserve", "bench", "gguf-table",
                           str(tmp_path / "nowhere")], capture_output=True, text=True)
     assert run.returncode == 2 and "out:" in run.stderr
+
+
+def test_the_placement_of_each_cell(tmp_path):
+    """The core-to-core latency around a cell names the vCPUs' placement (SPLIT_NS)."""
+    for name, ns in [("ours_c1_default", [170.0, 160.0]), ("ours_c1_greedy", [33.0, 170.0])]:
+        _result(tmp_path, name, 150.0, 5.0, reads=[55.0, 40.0], core_ns=ns)
+    notes = [line for line in gguf_table.table(tmp_path) if line.startswith("1 stream")]
+    assert "(two CCDs)" in notes[0] and "(moved between one and two CCDs)" in notes[1]
+    # machine.sh without the C++ probe writes null: the placement is then not claimed
+    _result(tmp_path, "ours_c1_default", 150.0, 5.0, reads=[55.0])
+    notes = [line for line in gguf_table.table(tmp_path) if line.startswith("1 stream")]
+    assert "(placement not measured)" in notes[0]

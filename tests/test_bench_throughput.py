@@ -117,3 +117,7 @@ def test_bench_bound_puts_each_round_beside_its_read_rate(tiny_model):
         floor = float(line.split("floor ")[1].split(" ms")[0])
         assert read > 0 and step > 0
         assert floor == pytest.approx(streamed / (read * 1e9) * 1e3, abs=6e-4)
+        # the minute's placement beside its read rate, where the C++ probe runs (2+ threads)
+        from tritonserve.bench.cpu_decode import core_to_core_ns
+        if core_to_core_ns() is not None:
+            assert float(line.split("core to core ")[1].split(" ns")[0]) > 0

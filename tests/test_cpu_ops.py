@@ -421,3 +421,21 @@ def test_cpu_bf16_attention_uses_the_fused_rope_store(tiny_model):
     layers = llm.engine.arch.num_layers
     assert len(calls) == 3 * layers  # the prefill, then two decode steps
     assert len(out.token_ids) == 3
+
+
+@needs_op
+def test_core_to_core_probe_times_a_line_between_two_threads():
+    """machine_probe.cpp: a positive, finite trip with two threads (bench/machine.sh prints
+    it beside the read rate), NaN with one, and trips below 1 refused naming the argument."""
+    probe = cpu.op("core_to_core_ns")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ns = probe(2000)
+        assert 0 < ns < 1e6
+        torch.set_num_threads(1)
+        assert probe(10) != probe(10)  # NaN
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="trips"):
+        probe(0)

@@ -5,7 +5,8 @@ steps of one sequence, so each step figure has the read rate of its own minute b
 tritonserve bench bound [--model PATH] [--quantization auto] [--rounds 6] [--steps 200]
     [--input-len 64] [--greedy]
 
-Per round: the read rate, the step's median, the floor (the bytes a step streams -- packed
+Per round: the read rate, the core-to-core latency (a VM's two placements:
+docs/benchmarks.md, "Two machines in one VM"), the step's median, the floor (the bytes a step streams -- packed
 projections and the lm_head -- over that read rate), the step's share of it, and
 decode_layers' matmul phases as GB/s of their own weights (thread 0's busy time). A step
 that tracks the read rate is memory-bound; one that keeps its time while the read rate moves
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from tritonserve.engine import LLM, SamplingParams
     from tritonserve.kernels import cpu
 
-    from .cpu_decode import read_gbps
+    from .cpu_decode import core_to_core_ns, read_gbps
     llm = LLM(args.model, max_num_seqs=1, quantization=args.quantization)
     engine = llm.engine
     streamed, per = streamed_bytes(engine.runner.model)
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                             max_tokens=args.steps + 3, ignore_eos=True)
     timed = cpu.decode_layers_timing(False)
     for r in range(args.rounds):
-        read = read_gbps()
+        read, ns = read_gbps(), core_to_core_ns()
         engine.add_request(list(range(10, 10 + args.input_len)), params)
         for _ in range(3):  # the prefill and two steps, untimed
             engine.step()
@@ -79,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             steps.append(time.perf_counter() - start)
         step = statistics.median(steps)
         floor = streamed / (read * 1e9)
-        line = (f"round {r + 1}: read {read:.1f} GB/s, step {step * 1e3:.3f} ms, floor "
-                f"{floor * 1e3:.3f} ms ({100 * floor / step:.0f} %)")
+        line = (f"round {r + 1}: read {read:.1f} GB/s"
+                + ("" if ns is None else f", core to core {ns:.0f} ns")
+                + f", step {step * 1e3:.3f} ms, floor {floor * 1e3:.3f} ms "
+                f"({100 * floor / step:.0f} %)")
         if timed:
             totals, calls = cpu.decode_layers_phases()
             cpu.decode_layers_timing(False)

@@ -39,6 +39,19 @@ def read_gbps(nbytes: int = 256 << 20) -> float:
     return nbytes / best / 1e9
 
 
+def core_to_core_ns() -> float | None:
+    """A cache line's one-way trip between two of torch's threads (kernels/cpu
+    machine_probe.cpp), ns; None without the C++ ops or with one thread. On a VM it says
+    whether the two vCPUs share a CCD (~30 ns on Zen 4) or not (~160+): two placements with
+    different read rates and sync costs (docs/benchmarks.md, "Two machines in one VM")."""
+    from tritonserve.kernels import cpu
+    probe = cpu.op("core_to_core_ns")
+    if probe is None:
+        return None
+    ns = probe(20000)
+    return None if ns != ns else ns  # NaN: fewer than two threads
+
+
 def scattered_tables(pages: list[int], pool: int, gen: torch.Generator) -> torch.Tensor:
     """[B, max pages] block tables, every page at a random block of the pool."""
     perm = torch.randperm(pool, generator=gen)

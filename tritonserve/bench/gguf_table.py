@@ -15,6 +15,9 @@ from pathlib import Path
 SERVERS = ("ours", "ours_bf16", "llama")
 SAMPLINGS = ("default", "greedy")
 FILE_MB = 96.4  # the embedded GGUF's bytes read a token (Q4_1 layers + the Q8_0 head)
+# core-to-core latency above which the two vCPUs sit on different CCDs: ~32 ns on one CCD and
+# 160-180 on two on the Zen 4 VM of docs/benchmarks.md ("Two machines in one VM")
+SPLIT_NS = 100.0
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,16 @@ class Cell:
     ttft_ms: float  # median
     read_gbps: tuple[float, ...]  # measured before / after the cell (1-stream cells)
     tokens: int  # output tokens streamed in all
+    core_ns: tuple[float, ...] = ()  # core-to-core latency before / after (1-stream cells)
+
+    @property
+    def placement(self) -> str:
+        """one CCD, two CCDs, or moved (the two vCPUs' placement changed during the cell)"""
+        split = {ns > SPLIT_NS for ns in self.core_ns}
+        if not split:
+            return "placement not measured"
+        return "moved between one and two CCDs" if len(split) == 2 else (
+            "two CCDs" if split.pop() else "one CCD")
 
     @property
     def floor_tok_s(self) -> float:
@@ -42,13 +55,16 @@ def load_cell(out: Path, name: str) -> Cell | None:
     if not path.exists():
         return None
     result = json.loads(path.read_text())
-    reads = []
+    machine = []
     read_path = out / f"{name}.read.json"
     if read_path.exists():
-        reads = [json.loads(line)["read_GB/s"]
-                 for line in read_path.read_text().splitlines() if line.strip()]
+        machine = [json.loads(line) for line in read_path.read_text().splitlines()
+                   if line.strip()]
     return Cell(result["output_throughput"], result["median_tpot_ms"],
-                result["median_ttft_ms"], tuple(reads), result["total_output_tokens"])
+                result["median_ttft_ms"], tuple(m["read_GB/s"] for m in machine),
+                result["total_output_tokens"],
+                tuple(m["core_to_core_ns"] for m in machine
+                      if m.get("core_to_core_ns") is not None))
 
 
 def pair(a: Cell | None, b: Cell | None, full: int) -> str:
@@ -84,7 +100,8 @@ def table(out: Path) -> list[str]:
             if streams == 1 and ours is not None and ours.read_gbps:
                 by_rate, by_tpot = ours.share()
                 reads = " / ".join(f"{r:.1f}" for r in ours.read_gbps)
-                notes.append(f"1 stream {sampling}: read {reads} GB/s around the cell, floor "
+                notes.append(f"1 stream {sampling}: read {reads} GB/s around the cell "
+                             f"({ours.placement}), floor "
                              f"{ours.floor_tok_s:.0f} tok/s; ours {100 * by_rate:.0f} % of it "
                              f"by output tok/s, {100 * by_tpot:.0f} % by TPOT "
                              f"(TTFT {ours.ttft_ms:.1f} ms)")
