@@ -15,9 +15,9 @@ from pathlib import Path
 SERVERS = ("ours", "ours_bf16", "llama")
 SAMPLINGS = ("default", "greedy")
 FILE_MB = 96.4  # the embedded GGUF's bytes read a token (Q4_1 layers + the Q8_0 head)
-# core-to-core latency above which the two vCPUs sit on different CCDs: ~32 ns on one CCD and
-# 160-180 on two on the Zen 4 VM of docs/benchmarks.md ("Two machines in one VM")
-SPLIT_NS = 100.0
+# core-to-core latency above which the two vCPUs sit on different CCDs: 31-35 ns on one CCD
+# and 106-181 on two on the Zen 4 VM of docs/benchmarks.md ("Two machines in one VM")
+SPLIT_NS = 70.0
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,10 @@ def table(out: Path) -> list[str]:
                              f"({ours.placement}), floor "
                              f"{ours.floor_tok_s:.0f} tok/s; ours {100 * by_rate:.0f} % of it "
                              f"by output tok/s, {100 * by_tpot:.0f} % by TPOT "
-                             f"(TTFT {ours.ttft_ms:.1f} ms)")
+                             f"(TTFT {ours.ttft_ms:.1f} ms)" + "".join(
+                                 f"; {server}'s cell: {cells[server].placement}"
+                                 for server in SERVERS[1:] if cells[server] is not None
+                                 and cells[server].core_ns))
     return rows + [""] + notes
 
 
