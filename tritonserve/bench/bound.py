@@ -5,14 +5,14 @@ steps of one sequence, so each step figure has the read rate of its own minute b
 tritonserve bench bound [--model PATH] [--quantization auto] [--rounds 6] [--steps 200]
     [--input-len 64] [--greedy]
 
-Per round: the read rate, the core-to-core latency (a VM's two placements:
-docs/benchmarks.md, "Two machines in one VM"), the step's median, the floor (the bytes a step streams -- packed
+Per round: the read rate, the core-to-core latency (a VM's two placements: docs/benchmarks.md,
+"Two machines in one VM"), the step's median, the floor (the bytes a step streams -- packed
 projections and the lm_head -- over that read rate), the step's share of it, and
 decode_layers' matmul phases as GB/s of their own weights (thread 0's busy time). A step
 that tracks the read rate is memory-bound; one that keeps its time while the read rate moves
-is bound by its own work (on a 2-core Zen 4 the Q4_1 tiles stream ~27-36 GB/s of blocks
-while the machine reads up to 59: docs/perf-log/2026-12-04-quantized-weights.md, "The tiles,
-not DRAM").
+is bound by its own work (on a 2-core Zen 4 the Q4_1 tiles stream ~25-39 GB/s of blocks
+while the machine reads up to 64 on two CCDs: docs/perf-log/2026-12-04-quantized-weights.md,
+"The tiles, not DRAM" and "Two machines in one VM").
 """
 from __future__ import annotations
 
