@@ -6,7 +6,9 @@ machine() {
 $py -c "
 import json
 from tritonserve.bench.cpu_decode import core_to_core_ns, read_gbps
+from tritonserve.bench.gguf_table import FILE_MB
 read, ns = read_gbps(), core_to_core_ns()
-print(json.dumps({'read_GB/s': round(read, 1), 'floor_1_stream_tok/s': round(read / 0.0964, 1),
+print(json.dumps({'read_GB/s': round(read, 1),
+                  'floor_1_stream_tok/s': round(read * 1e3 / FILE_MB, 1),
                   'core_to_core_ns': None if ns is None else round(ns, 1)}))"
 }

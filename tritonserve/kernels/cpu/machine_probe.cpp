@@ -3,10 +3,11 @@
 // other's store to one line, then stores back), or NaN with fewer than 2 threads.
 // Why: the bench's read rate alone does not say which machine a figure ran on. On the 2-vCPU
 // Zen 4 VM of docs/benchmarks.md the two vCPUs sometimes share a CCD (~32 ns here, a read of
-// ~33-38 GB/s through one link) and sometimes not (~160-180 ns, 52-61 GB/s through two links,
+// ~33-38 GB/s through one link) and sometimes not (106-181 ns, 52-61 GB/s through two links,
 // an OpenMP barrier 540 ns instead of 250): the decode step, whose threads meet five times a
-// layer, ran 3.7-4.3 ms either way (docs/perf-log/2026-12-04-quantized-weights.md, "Two
-// machines in one VM"). bench/machine.sh prints it beside the read rate.
+// layer, ran 3.7-4.3 ms on one CCD and 4.1-5.8 on two (docs/perf-log/
+// 2026-12-04-quantized-weights.md, "Two machines in one VM"). bench/machine.sh prints it
+// beside the read rate.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -14,7 +15,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cmath>
 #include <limits>
 #include <vector>
 
