@@ -15,20 +15,37 @@ settle() {  # until the CPUs are >= 90 % idle over half a second, at most 20 s
     [ "$total" -gt 0 ] && [ $(( 100 * idle / total )) -ge 90 ] && return 0
   done
 }
+sampling_args() {  # SAMPLING BASE_SEED: sets `extra` (the client's sampling flags) and `seed`
+  extra=(); seed=$2
+  if [ "$1" = greedy ]; then extra=(--temperature 0); seed=$(( $2 + 1 )); fi
+}
 run_cells() {
   local cell=0 count=${#names[@]} spec sampling seed k i
   local -a extra
   for spec in "1 8 64" "16 32 64" "64 64 128"; do
     set -- $spec
     for sampling in default greedy; do
-      extra=(); seed=$((10 * $1))
-      if [ "$sampling" = greedy ]; then extra=(--temperature 0); seed=$((seed + 1)); fi
+      sampling_args "$sampling" $((10 * $1))
       for k in $(seq 0 $((count - 1))); do
         i=$(( (k + cell) % count ))
         settle
         bench "${names[$i]}_c$1_$sampling" "${ports[$i]}" "$1" "$2" "$3" "$seed" "${extra[@]}"
       done
       cell=$((cell + 1))
+    done
+  done
+}
+run_one_stream_rounds() {  # ROUNDS: rounds 2..ROUNDS of the 1-stream cells, named NAME_c1_SAMPLING_rK
+  local round sampling seed k i
+  local -a extra
+  for round in $(seq 2 "$1"); do
+    for sampling in default greedy; do
+      sampling_args "$sampling" $((1000 * round))
+      for k in "${!names[@]}"; do
+        i=$(( (k + round) % ${#names[@]} ))
+        settle
+        bench "${names[$i]}_c1_${sampling}_r$round" "${ports[$i]}" 1 8 64 "$seed" "${extra[@]}"
+      done
     done
   done
 }

@@ -57,17 +57,7 @@ machine | sed 's/^/before: /' | tee "$out/machine.txt"
 for i in "${!names[@]}"; do bench "${names[$i]}_warmup" "${ports[$i]}" 4 4 16 1000; done
 source tritonserve/bench/cells.sh
 run_cells
-for round in $(seq 2 "${ROUNDS:-3}"); do
-  for sampling in default greedy; do
-    extra=(); seed=$((1000 * round))
-    if [ "$sampling" = greedy ]; then extra=(--temperature 0); seed=$((seed + 1)); fi
-    for k in "${!names[@]}"; do
-      i=$(( (k + round) % ${#names[@]} ))
-      settle
-      bench "${names[$i]}_c1_${sampling}_r$round" "${ports[$i]}" 1 8 64 "$seed" "${extra[@]}"
-    done
-  done
-done
+run_one_stream_rounds "${ROUNDS:-3}"
 machine | sed 's/^/after: /' | tee -a "$out/machine.txt"
 grep -h "serving\|quantized weights" "$out/ours.log" "$out/ours_bf16.log" | head -4
 $py -m tritonserve bench gguf-table "$out" | tee "$out/table.md"
