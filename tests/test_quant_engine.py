@@ -210,13 +210,14 @@ def _q4_k(w):
 
 @pytest.mark.slow
 @needs_library
-def test_a_k_quant_gguf_serves_its_q4_k_and_q5_0_blocks_and_the_rest_dense(tmp_path,
-                                                                           monkeypatch):
+def test_a_k_quant_gguf_serves_its_q4_k_q6_k_and_q5_0_blocks_and_the_rest_dense(tmp_path,
+                                                                               monkeypatch):
     """A llama.cpp K mix made from the embedded file: every ffn_down as Q4_K (layer 0's as
-    Q6_K, which has no exact block form), every attn_v as Q5_0. Under auto the engine serves
-    Q4_K and Q5_0 as blocks and Q6_K dense (the start-up line counts them) and gives the
-    greedy tokens of the file's dequantized weights (--quantization none); asked for gguf by
-    name it refuses, naming the Q6_K tensor."""
+    Q6_K), every attn_v as Q5_0 (layer 1's as Q5_1, which has no block form). Under auto the
+    engine serves Q4_K, Q6_K and Q5_0 as blocks and Q5_1 dense (the start-up line counts
+    them) and gives the greedy tokens of the file's dequantized weights (--quantization none);
+    in bf16 the layers op gives the eager step bit for bit on these blocks; asked for gguf by
+    name it refuses, naming the Q5_1 tensor."""
     import gguf
     import numpy as np
     from gguf import quants
@@ -240,7 +241,7 @@ def test_a_k_quant_gguf_serves_its_q4_k_and_q5_0_blocks_and_the_rest_dense(tmp_p
         raw, ggml_type = t.data, t.tensor_type
         if ".ffn_down." in t.name or ".attn_v." in t.name:
             dense = quants.dequantize(t.data, t.tensor_type).reshape(-1, int(t.shape[0]))
-            if t.name.startswith("blk.0.ffn_down"):  # random codes, small scales
+            if t.name.startswith("blk.0.ffn_down"):  # random codes and scales, small d
                 rng = np.random.default_rng(0)
                 raw = rng.integers(0, 256, (dense.shape[0], dense.shape[1] // 256 * 210),
                                    dtype=np.uint8).reshape(dense.shape[0], -1, 210)
@@ -249,6 +250,8 @@ def test_a_k_quant_gguf_serves_its_q4_k_and_q5_0_blocks_and_the_rest_dense(tmp_p
                 raw, ggml_type = raw.reshape(dense.shape[0], -1), types.Q6_K
             elif ".ffn_down." in t.name:
                 raw, ggml_type = _q4_k(dense), types.Q4_K
+            elif t.name.startswith("blk.1.attn_v"):
+                raw, ggml_type = quants.quantize(dense, types.Q5_1), types.Q5_1
             else:
                 raw, ggml_type = quants.quantize(dense, types.Q5_0), types.Q5_0
         tensors.append((t.name, raw, ggml_type))
@@ -265,11 +268,19 @@ def test_a_k_quant_gguf_serves_its_q4_k_and_q5_0_blocks_and_the_rest_dense(tmp_p
     blocks = LLM(str(path), dtype="float32", max_num_seqs=2)
     assert blocks.engine.runner.plan.weights == "gguf"
     down = [layer.mlp.down_proj.weight for layer in blocks.engine.runner.model.layers]
-    assert quant_layout.kind_of(down[0]) is None and quant_layout.kind_of(down[1]) == "u4"
+    assert quant_layout.kind_of(down[0]) == "s8h" and quant_layout.kind_of(down[1]) == "u4"
     served = [o.token_ids for o in blocks.generate(prompts, params)]
     del blocks
     dense = LLM(str(path), dtype="float32", quantization="none", max_num_seqs=2)
     assert served == [o.token_ids for o in dense.generate(prompts, params)]
     del dense
-    with pytest.raises(GGUFError, match="blk.0.ffn_down.weight is Q6_K"):
+    if cpu.decode_layers(torch.bfloat16, 64, 3, 16) is not None:
+        eager = LLM(str(path), dtype="bfloat16", decode_mode="eager", max_num_seqs=4)
+        steps = _compare_with_eager(eager)
+        eager.generate(prompts + ["1, 2, 3,"], [
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 4, 6)])
+        assert {n for n, _, _ in steps} == {3, 2, 1}
+        assert all(same for _, _, same in steps), [n for n, _, same in steps if not same]
+        del eager
+    with pytest.raises(GGUFError, match="blk.1.attn_v.weight is Q5_1"):
         LLM(str(path), dtype="float32", quantization="gguf", max_num_seqs=2)

@@ -17,33 +17,51 @@ needs_library = pytest.mark.skipif(cpu.op("packed_linear_quant") is None,
                                    reason="no C++ toolchain")
 
 
+KINDS = ["u4", "s8", "s8h"]
+
+
 def _random(kind: str, n: int, k: int, seed: int = 0):
+    """(d, q, third): u4's offsets m, s8h's int8 half-group scales, or None (s8)."""
     g = torch.Generator().manual_seed(seed)
     d = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
     if kind == "u4":
         return d, torch.randint(0, 16, (n, k), generator=g), -torch.rand(n, k // 32, generator=g) * 0.1
-    return d, torch.randint(-128, 128, (n, k), generator=g), None
+    q = torch.randint(-128, 128, (n, k), generator=g)
+    if kind == "s8h":  # Q6_K's scales are small: d / 64 keeps the products in range
+        return d / 64, q, torch.randint(-128, 128, (n, k // 16), generator=g)
+    return d, q, None
 
 
-@pytest.mark.parametrize("kind", ["u4", "s8"])
+def _pack(kind: str, d, q, third) -> torch.Tensor:
+    if kind == "s8h":
+        return quant_layout.pack(kind, d, q, sub=third)
+    return quant_layout.pack(kind, d, q, third)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_pack_and_unpack_are_inverse_and_dequantize_is_d_q_plus_m(kind):
     n, k = 37, 96  # a partial last panel (37 = 2 x 16 + 5)
-    d, q, m = _random(kind, n, k)
-    packed = quant_layout.pack(kind, d, q, m)
+    d, q, third = _random(kind, n, k)
+    packed = _pack(kind, d, q, third)
     assert packed.shape == (3, 3, quant_layout.RECORD_BYTES[kind])
     assert quant_layout.kind_of(packed) == kind
     d2, q2, m2 = quant_layout.unpack(packed, n)
     assert torch.equal(q2.long(), q.long())
-    assert torch.equal(d2, d.half().float())
-    expected = q.float() * d.half().float().repeat_interleave(32, dim=1)
-    if m is not None:
-        assert torch.equal(m2, m.half().float())
-        expected = expected + m.half().float().repeat_interleave(32, dim=1)
+    scale = d.half().float()
+    if kind == "s8h":  # a scale each 16 k: d * s, exact in fp32
+        scale = scale.repeat_interleave(2, dim=1) * third.float()
+    assert torch.equal(d2, scale)
+    expected = q.float() * scale.repeat_interleave(k // scale.shape[1], dim=1)
+    if kind == "u4":
+        assert torch.equal(m2, third.half().float())
+        expected = expected + third.half().float().repeat_interleave(32, dim=1)
+    else:
+        assert not m2.any()
     assert torch.equal(quant_layout.dequantize(packed, n), expected)
     # the reference runs where the weight lies (the CUDA engine's reference path; an H200
     # run found it building its shifts on the CPU): on "meta" any CPU operand would raise
     d3, q3, m3 = quant_layout.unpack(packed.to("meta"), n)
-    assert (d3.device.type, q3.shape, m3.shape) == ("meta", q.shape, d.shape)
+    assert (d3.device.type, q3.shape, m3.shape) == ("meta", q.shape, scale.shape)
 
 
 def test_pack_refuses_codes_out_of_range_and_ragged_rows():
@@ -56,6 +74,15 @@ def test_pack_refuses_codes_out_of_range_and_ragged_rows():
         quant_layout.pack("u3", d, torch.zeros(2, 32))
     with pytest.raises(ValueError, match="row length 40"):
         quant_layout.quantize(torch.randn(4, 40), "u4")
+    codes = torch.zeros(2, 32, dtype=torch.int16)
+    with pytest.raises(ValueError, match="s8h needs it"):
+        quant_layout.pack("s8h", d, codes)
+    with pytest.raises(ValueError, match="s8h needs it"):
+        quant_layout.pack("s8", d, codes, sub=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"sub must be int8 values \[N, K / 16\]"):
+        quant_layout.pack("s8h", d, codes, sub=torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="sub must be int8"):
+        quant_layout.pack("s8h", d, codes, sub=torch.full((2, 2), 128))
 
 
 @pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
@@ -101,6 +128,33 @@ def test_q4_k_blocks_parse_to_the_gguf_dequantizer_within_the_fp16_scale():
     assert bool(((got - oracle).abs() <= bound + 1e-12).all())
 
 
+def _q6_k_blocks(n: int, supers: int, seed: int = 0) -> np.ndarray:
+    """Random Q6_K rows (gguf-py has no Q6_K quantizer): every code, high-bit and scale byte
+    random, fp16 d of a weight's size."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, supers, 210), dtype=np.uint8)
+    raw[:, :, 208:] = (rng.random((n, supers, 1)) * 1e-3 + 1e-5).astype(np.float16).view(
+        np.uint8)
+    return raw.reshape(n, supers * 210)
+
+
+def test_q6_k_blocks_parse_to_exactly_what_the_gguf_package_dequantizes():
+    """Q6_K: 6-bit codes less 32 as int8, each 16-wide sub block's int8 scale kept beside the
+    super block's d (s8h): the packed weight dequantizes to gguf's own fp32 weights, bit for
+    bit (d * s is exact in fp32, as gguf forms it)."""
+    quants = pytest.importorskip("gguf.quants")
+    import gguf
+    n, k = 40, 768  # a partial last panel, three super blocks
+    raw = _q6_k_blocks(n, k // 256)
+    oracle = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K))
+    d, q, sub = gguf_weights.parse_blocks("Q6_K", raw, n, k)
+    assert q.shape == (n, k) and int(q.min()) == -32 and int(q.max()) == 31
+    assert sub.shape == (n, k // 16)
+    packed = quant_layout.pack("s8h", d, q, sub=sub)
+    assert quant_layout.kind_of(packed) == "s8h"
+    assert torch.equal(quant_layout.dequantize(packed, n), oracle)
+
+
 def _write_gguf(path, tensors: dict):
     gguf = pytest.importorskip("gguf")
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -115,27 +169,30 @@ def _write_gguf(path, tensors: dict):
 
 
 def test_a_type_with_no_block_form_is_refused_when_asked_and_left_dense_under_auto(tmp_path):
-    """Q6_K (16-wide sub blocks) has no exact form in the layout: strict (--quantization gguf)
-    names the tensor and type, lenient (auto) serves the Q4_K tensor as blocks and lists the
-    Q6_K one as left dense; the kept panels remember which (a strict start on a kept file
-    refuses too)."""
+    """Q5_K (5-bit codes with a min under each scale) has no form in the layout: strict
+    (--quantization gguf) names the tensor and type, lenient (auto) serves the Q4_K and Q6_K
+    tensors as blocks and lists the Q5_K one as left dense; the kept panels remember which (a
+    strict start on a kept file refuses too)."""
     path = _write_gguf(tmp_path / "k.gguf", {
         "blk.0.ffn_down.weight": (_q4_k_blocks(16, 1), "Q4_K"),
-        "blk.0.ffn_up.weight": (np.zeros((4, 210), dtype=np.uint8), "Q6_K")})
-    with pytest.raises(gguf_weights.GGUFError, match="blk.0.ffn_up.weight is Q6_K"):
+        "blk.0.ffn_gate.weight": (_q6_k_blocks(16, 1), "Q6_K"),
+        "blk.0.ffn_up.weight": (np.zeros((4, 176), dtype=np.uint8), "Q5_K")})
+    with pytest.raises(gguf_weights.GGUFError, match="blk.0.ffn_up.weight is Q5_K"):
         gguf_weights.read_quantized(path, 2, 1)
     served = gguf_weights.read_quantized(path, 2, 1, strict=False)
-    assert list(served) == ["model.layers.0.mlp.down_proj.weight"]
+    assert list(served) == ["model.layers.0.mlp.down_proj.weight",
+                            "model.layers.0.mlp.gate_proj.weight"]
     assert served["model.layers.0.mlp.down_proj.weight"].kind == "u4"
-    assert served.skipped == {"blk.0.ffn_up.weight": "Q6_K"}
-    assert gguf_weights.types_of(served) == "Q4_K x1; dense (no exact block form): Q6_K x1"
+    assert served["model.layers.0.mlp.gate_proj.weight"].kind == "s8h"
+    assert served.skipped == {"blk.0.ffn_up.weight": "Q5_K"}
+    assert gguf_weights.types_of(served) == "Q4_K x1, Q6_K x1; dense (no block form): Q5_K x1"
     kept = gguf_weights.read_quantized_cached(path, 2, 1, tmp_path, strict=False)
     assert (tmp_path / gguf_weights.PACKED).exists() and kept.skipped == served.skipped
     again = gguf_weights.read_quantized_cached(path, 2, 1, tmp_path, strict=False)
     assert torch.equal(again["model.layers.0.mlp.down_proj.weight"].packed,
                        served["model.layers.0.mlp.down_proj.weight"].packed)
     assert again.skipped == served.skipped
-    with pytest.raises(gguf_weights.GGUFError, match="blk.0.ffn_up.weight is Q6_K"):
+    with pytest.raises(gguf_weights.GGUFError, match="blk.0.ffn_up.weight is Q5_K"):
         gguf_weights.read_quantized_cached(path, 2, 1, tmp_path, strict=True)
 
 
@@ -147,7 +204,7 @@ def test_llama_cpp_q_k_row_order_is_undone():
 
 
 @needs_library
-@pytest.mark.parametrize("kind", ["u4", "s8"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_op_matches_the_reference(kind, dtype):
     """Rows 1-9 (every tile size, and one past a tile: the widened-panel path), 17 and 70;
@@ -156,8 +213,7 @@ def test_the_op_matches_the_reference(kind, dtype):
     one bf16 step."""
     op = torch.ops.tritonserve.packed_linear_quant
     for k in (96, 576):
-        d, q, m = _random(kind, 50, k, seed=k)
-        packed = quant_layout.pack(kind, d, q, m)
+        packed = _pack(kind, *_random(kind, 50, k, seed=k))
         bias = torch.randn(50)
         for rows in (*range(1, 10), 17, 70):
             x = torch.randn(rows, k).to(dtype)
@@ -174,14 +230,13 @@ def test_the_op_matches_the_reference(kind, dtype):
 
 
 @needs_library
-@pytest.mark.parametrize("kind", ["u4", "s8"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_bf16_rows_up_to_four_do_not_depend_on_their_company(kind):
     """A row's bf16 result is bit-identical whether the call has 1, 2, 3 or 4 rows (the
     one-row path's sums): a speculating step's K + 1 rows then give one row's tokens."""
     op = torch.ops.tritonserve.packed_linear_quant
     for k in (96, 576):  # an odd and an even number of groups
-        d, q, m = _random(kind, 50, k, seed=k + 1)
-        packed = quant_layout.pack(kind, d, q, m)
+        packed = _pack(kind, *_random(kind, 50, k, seed=k + 1))
         bias = torch.randn(50)
         x = torch.randn(4, k).to(torch.bfloat16)
         alone = torch.cat([op(x[r:r + 1], packed, 50, bias) for r in range(4)])
@@ -204,14 +259,14 @@ def test_the_op_refuses_bad_operands_naming_them():
 
 
 def test_quantize_is_close_and_its_codes_are_the_nearest():
-    """int4 per group of 32 (scale and offset) and int8 per row: every weight within half a
-    step (plus the offset's fp16 rounding) of the original."""
+    """int4 per group of 32 (scale and offset), int8 per row and 6-bit a 16 k (s8h): every
+    weight within half a step (plus the offset's fp16 rounding) of the original."""
     w = torch.randn(48, 128)
-    for kind in ("u4", "s8"):
+    for kind in KINDS:
         packed = quant_layout.quantize(w, kind)
         back = quant_layout.dequantize(packed, 48)
         d, _, _ = quant_layout.unpack(packed, 48)
-        step = d.repeat_interleave(32, dim=1)
+        step = d.repeat_interleave(128 // d.shape[1], dim=1)
         assert ((back - w).abs() <= step * 0.5 + 2e-3).all(), kind
         assert ((back - w).abs() > step * 0.25).any(), kind  # it did round something
 

@@ -1,5 +1,5 @@
 """The Triton w4a16 / w8a16 matmul (kernels/triton/quant_matmul.py) under the interpreter
-against the dequantized reference (quant_layout.linear): u4 and s8, a partial last panel,
+against the dequantized reference (quant_layout.linear): u4, s8 and s8h, a partial last panel,
 bias, one row and a batch wider than a row tile. bf16 inputs compute in fp32 here (the
 interpreter has no bf16 arithmetic); compiled for sm_90 by compile_check."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tritonserve.kernels import quant_layout
 from tritonserve.kernels.triton.quant_matmul import quant_linear
 
 
-@pytest.mark.parametrize("kind", ["u4", "s8"])
+@pytest.mark.parametrize("kind", ["u4", "s8", "s8h"])
 @pytest.mark.parametrize("rows,n,bias", [(1, 40, False), (3, 72, True), (17, 16, False)])
 def test_the_triton_matmul_is_the_dequantized_reference(kind, rows, n, bias, device):
     torch.manual_seed(rows + n)

@@ -72,6 +72,7 @@ def main(argv: list[str]) -> int:
         forms["q4 (u4 + s8 head)"] = [quant_layout.quantize(w, "s8" if i == last else "u4")
                                       for i, w in enumerate(weights)]
         forms["q8 (s8)"] = [quant_layout.quantize(w, "s8") for w in weights]
+        forms["q6 (s8h: GGUF Q6_K)"] = [quant_layout.quantize(w, "s8h") for w in weights]
     read = read_gbps()
     print(f"weights {nbytes / 1e6:.0f} MB {args.dtype}; read bandwidth (this run) {read:.1f} GB/s, so "
           f"a pass reads them in >= {nbytes / read / 1e6:.1f} ms; threads "

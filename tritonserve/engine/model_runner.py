@@ -90,7 +90,7 @@ class ModelRunner:
             self.dense_model.prepack_weights("panels", config.scheduler.max_num_seqs)
             self.dense_model.gather_streamed_weights()
         if form == "gguf":
-            # auto: a tensor with no exact block form is served dense; asked by name, refused
+            # auto: a tensor with no block form is served dense; asked by name, refused
             tensors = read_quantized_cached(gguf, arch.num_heads, arch.num_kv_heads, folder,
                                             strict=config.quantization == "gguf")
             self.model.load_quantized(tensors)

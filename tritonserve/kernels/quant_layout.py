@@ -6,10 +6,13 @@ kernels/cpu/panels_quant.h reads it (the C++ matmul) and states the bytes:
   with m = -8 d; int4 with a zero point z: m = -z d); the codes of 8 k and a column in one
   32-bit word, k 2 i + h at bits 4 (i + 4 h), so a k pair is a shift and a mask away
 - s8: weight[n, k] = d[n, g] * q[n, k], q in -128..127 (GGUF Q8_0; int8)
+- s8h: weight[n, k] = (d[n, g] * s[n, k // 16]) * q[n, k], q in -128..127 and s an int8 scale
+  a half group of 16 k (GGUF Q6_K: its super block's d, its 16-wide sub blocks' scales, codes
+  less 32; the product d * s is exact in fp32, as gguf's dequantizer forms it)
 
 d and m are fp16, as in the GGUF blocks, so a block is the same bytes here as in the file.
-Panels of 16 output rows, records of 32 k: uint8 [ceil(N / 16), K / 32, 320 (u4) or 544 (s8)];
-rows past N are zero.
+Panels of 16 output rows, records of 32 k: uint8 [ceil(N / 16), K / 32, 320 (u4), 544 (s8) or
+576 (s8h)]; rows past N are zero.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import torch
 
 COLS = 16
 GROUP = 32
-RECORD_BYTES = {"u4": 64 + 256, "s8": 32 + 512}
+RECORD_BYTES = {"u4": 64 + 256, "s8": 32 + 512, "s8h": 64 + 512}
+HALF = 16  # k a sub-block scale of s8h
 _KINDS = {size: kind for kind, size in RECORD_BYTES.items()}  # kind_of runs once a matmul call
 
 
@@ -28,10 +32,11 @@ def kind_of(weight: torch.Tensor) -> str | None:
     return _KINDS.get(weight.shape[2])
 
 
-def pack(kind: str, d: torch.Tensor, q: torch.Tensor, m: torch.Tensor | None = None
-         ) -> torch.Tensor:
+def pack(kind: str, d: torch.Tensor, q: torch.Tensor, m: torch.Tensor | None = None, *,
+         sub: torch.Tensor | None = None) -> torch.Tensor:
     """d, m [N, G] (any float dtype: stored as fp16), q [N, K = 32 G] integer codes (u4: 0..15,
-    s8: -128..127) -> uint8 panels. m only for u4 (None: zero)."""
+    s8 and s8h: -128..127) -> uint8 panels. m only for u4 (None: zero); sub only for s8h: the
+    int8 scales [N, K / 16] of each half group (required)."""
     if kind not in RECORD_BYTES:
         raise ValueError(f"kind must be one of {sorted(RECORD_BYTES)}, got {kind!r}")
     n, k = q.shape
@@ -41,6 +46,11 @@ def pack(kind: str, d: torch.Tensor, q: torch.Tensor, m: torch.Tensor | None = N
     lo, hi = (0, 15) if kind == "u4" else (-128, 127)
     if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):
         raise ValueError(f"{kind} codes must lie in [{lo}, {hi}]")
+    if (kind == "s8h") != (sub is not None):
+        raise ValueError("sub (the half groups' int8 scales) is s8h's, and s8h needs it")
+    if sub is not None and (sub.shape != (n, k // HALF) or (sub.numel() and (
+            int(sub.min()) < -128 or int(sub.max()) > 127))):
+        raise ValueError(f"sub must be int8 values [N, K / {HALF}]; got {tuple(sub.shape)}")
     groups, panels = k // GROUP, -(-n // COLS)
     rows = panels * COLS
 
@@ -63,6 +73,11 @@ def pack(kind: str, d: torch.Tensor, q: torch.Tensor, m: torch.Tensor | None = N
         body = words.to(torch.int32).contiguous().view(torch.uint8)  # little-endian words
         m = torch.zeros_like(d) if m is None else m
         parts = [scales(d), scales(m), body.reshape(panels, groups, -1)]
+    elif kind == "s8h":  # s[h][c] at byte 32 + 16 h + c of a record
+        halves = padded(sub, torch.int8).view(panels, COLS, groups, 2).permute(0, 2, 3, 1)
+        body = codes.to(torch.int8).contiguous().view(torch.uint8)
+        parts = [scales(d), halves.contiguous().view(torch.uint8).reshape(panels, groups, -1),
+                 body.reshape(panels, groups, -1)]
     else:
         body = codes.to(torch.int8).contiguous().view(torch.uint8)
         parts = [scales(d), body.reshape(panels, groups, -1)]
@@ -70,10 +85,11 @@ def pack(kind: str, d: torch.Tensor, q: torch.Tensor, m: torch.Tensor | None = N
 
 
 def unpack(weight: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """packed panels -> (d [N, G] fp32, q [N, K] int16, m [N, G] fp32; zero for s8)."""
+    """packed panels -> (d [N, G] fp32, q [N, K] int16, m [N, G] fp32; zero for s8). s8h: d
+    is each half group's scale d * s [N, 2 G] (exact in fp32), m zero of that shape."""
     kind = kind_of(weight)
     if kind is None:
-        raise ValueError("not a packed quantized weight (uint8 [P, G, 320 or 544])")
+        raise ValueError("not a packed quantized weight (uint8 [P, G, 320, 544 or 576])")
     panels, groups, _ = weight.shape
 
     def scales(offset: int) -> torch.Tensor:  # -> [N, G] fp32
@@ -89,8 +105,13 @@ def unpack(weight: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, to
         codes = (words >> shifts.view(1, 1, 1, 4, 2, 1)) & 15  # [P, G, 4, 4 i, 2 h, 16]
         m = scales(32)
     else:
-        body = weight[:, :, 32:].contiguous().view(torch.int8)
+        at = 64 if kind == "s8h" else 32
+        body = weight[:, :, at:].contiguous().view(torch.int8)
         codes = body.reshape(panels, groups, GROUP, COLS).to(torch.int16)
+        if kind == "s8h":
+            sub = weight[:, :, 32:64].contiguous().view(torch.int8).reshape(
+                panels, groups, 2, COLS).permute(0, 3, 1, 2).reshape(panels * COLS, 2 * groups)
+            d = d.repeat_interleave(2, dim=1) * sub[:n].float()
         m = torch.zeros_like(d)
     codes = codes.reshape(panels, groups, GROUP, COLS).permute(0, 3, 1, 2)
     return d, codes.reshape(panels * COLS, groups * GROUP)[:n], m
@@ -99,8 +120,8 @@ def unpack(weight: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, to
 def dequantize(weight: torch.Tensor, n: int) -> torch.Tensor:
     """The reference: packed panels -> the fp32 weight [N, K] (d * q + m, per group)."""
     d, q, m = unpack(weight, n)
-    scale = d.repeat_interleave(GROUP, dim=1)
-    return q.float() * scale + m.repeat_interleave(GROUP, dim=1)
+    width = q.shape[1] // max(d.shape[1], 1)  # k a scale: 32, or 16 (s8h)
+    return q.float() * d.repeat_interleave(width, dim=1) + m.repeat_interleave(width, dim=1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, n: int,
@@ -116,8 +137,11 @@ def quantize(weight: torch.Tensor, kind: str, group: int = GROUP) -> torch.Tenso
     offset m = min (GGUF Q4_1's scheme), q = round((w - m) / d), each record of 32 k holding
     its group's d and m (the bytes of groups of 32 either way: larger groups only match a
     checkpoint's scheme); s8 (int8): per output row, symmetric, d = max |w| / 127,
-    q = round(w / d). Scales are rounded to fp16 first and the codes computed against the
-    stored scales."""
+    q = round(w / d); s8h (6-bit, GGUF Q6_K's scheme with a d a group of 32 where Q6_K has
+    one a super block of 256): per 16 k a step max |w| / 31 as d * s, s = round(step / d) in
+    0..127 and d = the group's largest step / 127, q = round(w / (d s)) in -32..31 (group 32
+    only). Scales are rounded to fp16 first and the codes computed against the stored
+    scales."""
     n, k = weight.shape
     if group % GROUP or k % group:
         raise ValueError(f"quantize: the row length {k} is not a multiple of the group "
@@ -138,6 +162,18 @@ def quantize(weight: torch.Tensor, kind: str, group: int = GROUP) -> torch.Tenso
         safe = torch.where(d > 0, d, torch.ones_like(d))
         q = torch.round(w / safe[:, None, None]).clamp(-127, 127)
         return pack(kind, d[:, None].expand(n, k // GROUP), q.reshape(n, k).to(torch.int16))
+    if kind == "s8h" and group == GROUP:
+        halves = w.reshape(n, k // HALF, HALF)
+        step = halves.abs().amax(dim=2) / 31  # [N, K / 16]
+        d = (step.reshape(n, k // GROUP, 2).amax(dim=2) / 127).half().float()
+        d16 = torch.where(d > 0, d, torch.ones_like(d)).repeat_interleave(2, dim=1)
+        sub = torch.round(step / d16).clamp(0, 127)
+        scale = d16 * sub
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(halves / safe.unsqueeze(2)).clamp(-32, 31)
+        return pack(kind, d, q.reshape(n, k).to(torch.int16), sub=sub.to(torch.int16))
+    if kind == "s8h":
+        raise ValueError(f"quantize: s8h has groups of {GROUP}, got {group}")
     raise ValueError(f"kind must be one of {sorted(RECORD_BYTES)}, got {kind!r}")
 
 

@@ -4,16 +4,19 @@ the Hugging Face checkpoint names them. Config, tokenizer and the small tensors 
 embedding table for the lookup) come from the converted folder (engine/default_model.py).
 
 Served as blocks: Q8_0 and Q5_0 (s8: Q5_0's 5-bit codes less 16 fit an int8, exactly), Q4_0,
-Q4_1 and Q4_K (u4). Q4_K's 256-wide super block holds eight 32-wide sub blocks of 4-bit codes,
-each with a 6-bit scale and min under the block's fp16 d and dmin: a sub block becomes one
-group with d * scale and -dmin * min rounded to fp16, the layout's (at most 2^-11 of the
-scale, against a 4-bit code's step of 1/15 of the range); every other type is exact. Q6_K's
-16-wide sub blocks (two int8 scales in a 32-wide group) and the other types have no exact
-form in the layout: under --quantization auto such a tensor is served from the converted
-folder's dequantized weights (dense panels; the start-up line counts them), under
---quantization gguf the file is refused naming the tensor and type. (SmolLM2's 576-wide rows
-are not a multiple of 256: llama.cpp's quantizer gives such tensors Q5_0 / Q8_0 in its K
-mixes.)
+Q4_1 and Q4_K (u4), Q6_K (s8h). Q4_K's 256-wide super block holds eight 32-wide sub blocks of
+4-bit codes, each with a 6-bit scale and min under the block's fp16 d and dmin: a sub block
+becomes one group with d * scale and -dmin * min rounded to fp16, the layout's (at most 2^-11
+of the scale, against a 4-bit code's step of 1/15 of the range). Q6_K's 16-wide sub blocks of
+6-bit codes (less 32: an int8) each have an int8 scale under the super block's fp16 d: the
+layout's s8h keeps d and both scales of a 32-wide group as they are (9 bits a weight against
+the file's 6.56, the 6-bit codes widened to bytes as Q5_0's are). Every type but Q4_K is exact.
+The other types (Q5_1, Q2_K, Q3_K, Q5_K, ...) have no form in the layout: under
+--quantization auto such a tensor is served from the converted folder's dequantized weights
+(dense panels; the start-up line counts them), under --quantization gguf the file is refused
+naming the tensor and type. Q4_K and Q6_K need rows that are a multiple of 256: SmolLM2's
+576-wide rows are not, and llama.cpp's quantizer gives such tensors Q5_0 / Q8_0 in its K
+mixes (a K type on such a row cannot be written at all).
 The q and k projections are stored permuted for llama.cpp's interleaved rope; their rows are
 put back as transformers' GGUF loader does (LlamaTensorProcessor._reverse_permute_weights).
 Parsing and packing the embedded file takes ~3 s, every engine start: `read_quantized_cached`
@@ -36,7 +39,7 @@ from tritonserve.kernels import quant_layout
 
 # GGML block types served as they are: (kind, block bytes, values a block)
 SERVED = {"Q8_0": ("s8", 34, 32), "Q5_0": ("s8", 22, 32), "Q4_0": ("u4", 18, 32),
-          "Q4_1": ("u4", 20, 32), "Q4_K": ("u4", 144, 256)}
+          "Q4_1": ("u4", 20, 32), "Q4_K": ("u4", 144, 256), "Q6_K": ("s8h", 210, 256)}
 DENSE = ("F32", "F16", "BF16")  # norms, biases: read through the converted folder
 
 _NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -96,7 +99,8 @@ def _q4_k_scales(scales: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 def parse_blocks(ggml_type: str, raw: np.ndarray, n: int, k: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """raw uint8 [N, bytes a row] of one of SERVED -> (d [N, G] fp32, q [N, K] int16,
-    m [N, G] fp32 or None), weight = d * q + m per group of 32."""
+    m [N, G] fp32 or None), weight = d * q + m per group of 32; Q6_K: (d [N, G], q, its int8
+    sub-block scales [N, K / 16]), weight = (d * s) * q per 16 k (quant_layout's s8h)."""
     kind, size, values = SERVED[ggml_type]
     blocks = np.ascontiguousarray(raw).reshape(n, k // values, size)
     d = _half(blocks, 0)
@@ -109,6 +113,17 @@ def parse_blocks(ggml_type: str, raw: np.ndarray, n: int, k: int
         fifth = (high.unsqueeze(-1) >> torch.arange(32)) & 1  # [N, G, 32]
         q = _nibbles(blocks[:, :, 6:]) + 16 * fifth - 16
         return d, q.to(torch.int16).reshape(n, k), None
+    if ggml_type == "Q6_K":  # ql [128], qh [64], scales int8 [16], d at byte 208
+        supers = k // values
+        d = _half(blocks, 208).repeat_interleave(values // 32, dim=1)  # [N, G]
+        low = torch.from_numpy(blocks[:, :, :128].copy()).to(torch.int16).view(n, supers, 2, 1, 64)
+        low = (low >> torch.tensor([0, 4]).view(1, 1, 1, 2, 1)) & 15  # [N, S, 2, 2, 64]
+        high = torch.from_numpy(blocks[:, :, 128:192].copy()).to(torch.int16).view(
+            n, supers, 2, 1, 32)
+        high = (high >> torch.tensor([0, 2, 4, 6]).view(1, 1, 1, 4, 1)) & 3  # [N, S, 2, 4, 32]
+        q = (low.reshape(n, supers, 8, 32) | high.reshape(n, supers, 8, 32) << 4) - 32
+        sub = torch.from_numpy(blocks[:, :, 192:208].copy().view(np.int8)).to(torch.int16)
+        return d, q.reshape(n, k), sub.reshape(n, k // 16)
     if ggml_type == "Q4_K":  # d, dmin, 12 scale bytes, 4 x 32 bytes: sub blocks 2p, 2p + 1
         scale, minimum = _q4_k_scales(blocks[:, :, 4:16])  # [N, S, 8]
         d_sub = (d.unsqueeze(-1) * scale).reshape(n, -1)  # [N, G]: exact in fp32
@@ -169,13 +184,15 @@ def read_quantized(path: str | Path, num_heads: int, num_kv_heads: int, strict: 
             d, q = unpermute_rows(d, heads), unpermute_rows(q, heads)
             m = None if m is None else unpermute_rows(m, heads)
         kind = SERVED[type_name][0]
-        out[name] = QuantTensor(type_name, kind, quant_layout.pack(kind, d, q, m), (n, k))
+        packed = (quant_layout.pack(kind, d, q, sub=m) if kind == "s8h"
+                  else quant_layout.pack(kind, d, q, m))
+        out[name] = QuantTensor(type_name, kind, packed, (n, k))
     return Served(out, skipped)
 
 
 # safetensors inside, not named *.safetensors: the loader reads every such file of the folder
 PACKED = "gguf-blocks.packed"
-PACKED_VERSION = "2"  # raise when quant_layout's bytes or parse_blocks' output change
+PACKED_VERSION = "3"  # raise when quant_layout's bytes or parse_blocks' output change
 
 
 def _file_key(path: Path) -> str:
@@ -232,7 +249,7 @@ def fuse_rows(parts: list[QuantTensor]) -> torch.Tensor | None:
 
 def types_of(tensors: dict[str, QuantTensor]) -> str:
     """The source types served, with how many tensors each: 'Q4_1 x210, Q8_0 x1', and the
-    ones left dense: '; dense: Q6_K x12'."""
+    ones left dense: '; dense (no block form): Q5_K x12'."""
     def count(types) -> str:
         counts: dict[str, int] = {}
         for t in types:
@@ -241,5 +258,5 @@ def types_of(tensors: dict[str, QuantTensor]) -> str:
 
     served = count(t.type_name for t in tensors.values())
     skipped = getattr(tensors, "skipped", None)
-    return served + (f"; dense (no exact block form): {count(skipped.values())}"
+    return served + (f"; dense (no block form): {count(skipped.values())}"
                      if skipped else "")

@@ -10,6 +10,9 @@
 //       weight = d[c] * q + m[c], q in 0..15 (GGUF Q4_1 as it is; Q4_0 with m = -8 d; int4
 //       with a zero point z: m = -z d)
 //   s8 (544 B): d fp16 [16], int8 [32 k][16 columns]; weight = d[c] * q (GGUF Q8_0; int8)
+//   s8h (576 B): d fp16 [16], s int8 [2][16], int8 [32 k][16 columns]; weight =
+//       (d[c] * s[k / 16][c]) * q (GGUF Q6_K: a scale every 16 k under the super block's d);
+//       each half group's sums stay apart until its scale d * s (exact in fp32)
 // Same bytes a weight as the GGUF blocks (Q4_1: 20 B / 32, Q8_0: 34 B / 32), reordered so one
 // load is 4 k pairs (u4, 64 B) or a k (s8, 16 B) of all 16 columns: the lanes are columns, as
 // in panels_fp32.h, with no horizontal sums. A group's sums stay apart until its scale:
@@ -35,6 +38,7 @@ constexpr int64_t kCols = 16;  // output columns a panel
 constexpr int64_t kGroup = 32;  // k a scale group
 constexpr int64_t kU4Bytes = 64 + 256;
 constexpr int64_t kS8Bytes = 32 + 512;
+constexpr int64_t kS8HBytes = 64 + 512;
 constexpr int kRows = 8;  // rows a register tile: 8 group sums + 8 totals
 // Records ahead the fp32 tile asks for into L1 (prefetcht0): the hardware prefetcher alone
 // left the widening and the weight stream apart. The bf16 tile asks into L2 instead
@@ -48,14 +52,20 @@ constexpr int64_t kFp32Ahead = 8;
 // (2 threads, Zen 4) 2.09 -> 1.85 ms a pass, 31.7 -> 36 GB/s.
 constexpr int kSplit = 4;
 
-enum class Kind { kU4, kS8 };
+enum class Kind { kU4, kS8, kS8H };
 
-inline int64_t record_bytes(Kind kind) { return kind == Kind::kU4 ? kU4Bytes : kS8Bytes; }
+constexpr int64_t record_bytes(Kind kind) {
+  return kind == Kind::kU4 ? kU4Bytes : kind == Kind::kS8 ? kS8Bytes : kS8HBytes;
+}
+// where an s8 kind's codes start in its record, and its scale groups a record
+constexpr int64_t codes_at(Kind kind) { return kind == Kind::kS8H ? 64 : 32; }
+constexpr int halves(Kind kind) { return kind == Kind::kS8H ? 2 : 1; }
 
 // The kind of a record size, false for none
 inline bool kind_of(int64_t bytes, Kind& kind) {
   if (bytes == kU4Bytes) return kind = Kind::kU4, true;
   if (bytes == kS8Bytes) return kind = Kind::kS8, true;
+  if (bytes == kS8HBytes) return kind = Kind::kS8H, true;
   return false;
 }
 
@@ -81,7 +91,7 @@ inline float half(const uint8_t* p, int64_t c) {
 template <int R, Kind kind>
 inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const uint8_t* w,
                  float* y, int64_t ldy, int64_t ncols) {
-  constexpr int64_t bytes = kind == Kind::kU4 ? kU4Bytes : kS8Bytes;
+  constexpr int64_t bytes = record_bytes(kind);
   __m512 tot[R];
   for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi32(15);
@@ -116,22 +126,33 @@ inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const 
         tot[r] = _mm512_fmadd_ps(d, acc[r], tot[r]);
         tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), tot[r]);
       }
-    } else {
-#pragma GCC unroll 4
-      for (int k = 0; k < 32; k += 2) {
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * k))));
-        const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 48 + 16 * k))));
-        for (int r = 0; r < R; ++r) {
-          acc[r] = _mm512_fmadd_ps(v, _mm512_set1_ps(xg[r * ldx + k]), acc[r]);
-          odd[r] = _mm512_fmadd_ps(u, _mm512_set1_ps(xg[r * ldx + k + 1]), odd[r]);
-        }
-      }
-      if constexpr (R <= kSplit)
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], acc1[r]);
+    } else {  // s8, s8h: each scale group's k (all 32, or 16 a half) summed, then scaled
+      constexpr int H = halves(kind), span = 32 / H;
+      const uint8_t* codes = rec + codes_at(kind);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
-      for (int r = 0; r < R; ++r) tot[r] = _mm512_fmadd_ps(d, acc[r], tot[r]);
+      for (int h = 0; h < H; ++h) {
+        if (h)
+          for (int r = 0; r < R; ++r) acc[r] = acc1[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int k = h * span; k < (h + 1) * span; k += 2) {
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * k))));
+          const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * k + 16))));
+          for (int r = 0; r < R; ++r) {
+            acc[r] = _mm512_fmadd_ps(v, _mm512_set1_ps(xg[r * ldx + k]), acc[r]);
+            odd[r] = _mm512_fmadd_ps(u, _mm512_set1_ps(xg[r * ldx + k + 1]), odd[r]);
+          }
+        }
+        if constexpr (R <= kSplit)
+          for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], acc1[r]);
+        __m512 dh = d;
+        if constexpr (kind == Kind::kS8H)
+          dh = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                        rec + 32 + 16 * h)))));
+        for (int r = 0; r < R; ++r) tot[r] = _mm512_fmadd_ps(dh, acc[r], tot[r]);
+      }
     }
   }
   const __mmask16 mask = ncols >= kCols ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
@@ -142,7 +163,7 @@ inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const 
 template <int R, Kind kind>
 inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const uint8_t* w,
                  float* y, int64_t ldy, int64_t ncols) {
-  constexpr int64_t bytes = kind == Kind::kU4 ? kU4Bytes : kS8Bytes;
+  constexpr int64_t bytes = record_bytes(kind);
   float tot[R][kCols] = {};
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* rec = w + g * bytes;
@@ -168,18 +189,26 @@ inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const 
         for (int r = 0; r < R; ++r) tot[r][c] += d * acc[r][c] + m * xs[r * G + g];
       }
     } else {
-      for (int k = 0; k < 32; ++k) {
-        float v[kCols];
-        for (int c = 0; c < kCols; ++c)
-          v[c] = static_cast<float>(static_cast<int8_t>(rec[32 + 16 * k + c]));
-        for (int r = 0; r < R; ++r) {
-          const float a = xg[r * ldx + k];
-          for (int c = 0; c < kCols; ++c) acc[r][c] += v[c] * a;
+      constexpr int H = halves(kind), span = 32 / H;
+      for (int h = 0; h < H; ++h) {
+        if (h)
+          for (int r = 0; r < R; ++r)
+            for (int c = 0; c < kCols; ++c) acc[r][c] = 0.f;
+        for (int k = h * span; k < (h + 1) * span; ++k) {
+          float v[kCols];
+          for (int c = 0; c < kCols; ++c)
+            v[c] = static_cast<float>(static_cast<int8_t>(rec[codes_at(kind) + 16 * k + c]));
+          for (int r = 0; r < R; ++r) {
+            const float a = xg[r * ldx + k];
+            for (int c = 0; c < kCols; ++c) acc[r][c] += v[c] * a;
+          }
         }
-      }
-      for (int c = 0; c < kCols; ++c) {
-        const float d = half(rec, c);
-        for (int r = 0; r < R; ++r) tot[r][c] += d * acc[r][c];
+        for (int c = 0; c < kCols; ++c) {
+          float d = half(rec, c);
+          if constexpr (kind == Kind::kS8H)
+            d *= static_cast<float>(static_cast<int8_t>(rec[32 + 16 * h + c]));
+          for (int r = 0; r < R; ++r) tot[r][c] += d * acc[r][c];
+        }
       }
     }
   }
@@ -211,8 +240,10 @@ inline void panel_product(Kind kind, const float* x, int64_t M, int64_t K, const
   const int64_t G = K / kGroup;
   if (kind == Kind::kU4)
     rows_product<Kind::kU4>(x, K, M, xs, G, panel, y, ldy, ncols);
-  else
+  else if (kind == Kind::kS8)
     rows_product<Kind::kS8>(x, K, M, xs, G, panel, y, ldy, ncols);
+  else
+    rows_product<Kind::kS8H>(x, K, M, xs, G, panel, y, ldy, ncols);
 }
 
 }  // namespace tritonserve_panels_quant

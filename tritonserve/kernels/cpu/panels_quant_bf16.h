@@ -4,6 +4,7 @@
 // and use panels_quant.h's tile instead.
 #pragma once
 
+#include <tuple>
 #include <utility>
 
 #include "panels_quant.h"
@@ -53,8 +54,8 @@ inline void group_sums_bf16(const uint16_t* x, int64_t ldx, int64_t R, int64_t K
 // panels' 41; with the totals in memory a group (not registers), 50.
 
 // Pair j of a record as vdpbf16ps's operand: 16 lanes (columns) of two bf16, k 2j and 2j+1.
-// u4: bf16(128 + q[2j]) | bf16(128 + q[2j+1]) << 16 (0x4300 | q: exact); s8: bf16(q[2j]) |
-// bf16(q[2j+1]) << 16, each exact
+// u4: bf16(128 + q[2j]) | bf16(128 + q[2j+1]) << 16 (0x4300 | q: exact); s8, s8h: bf16(q[2j])
+// | bf16(q[2j+1]) << 16, each exact
 template <Kind kind>
 inline __m512i pair_of(const uint8_t* rec, int j) {
   if constexpr (kind == Kind::kU4) {
@@ -63,10 +64,11 @@ inline __m512i pair_of(const uint8_t* rec, int j) {
     return _mm512_ternarylogic_epi32(u, _mm512_set1_epi32(0x000F000F),
                                      _mm512_set1_epi32(0x43004300), 0xEA);
   } else {
+    const uint8_t* codes = rec + codes_at(kind);
     const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 32 * j))));
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * j))));
     const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 48 + 32 * j))));
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 + 32 * j))));
     return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 16),
                                      _mm512_castps_si512(b),
                                      _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), 0xF8);
@@ -93,7 +95,8 @@ inline void dp_row(__m512& acc, __m512i pair, const uint16_t* p) {
 #endif
 }
 
-// The group's scale d and offset (u4: m' = m - 128 d, undoing the 128 in the codes)
+// The group's scale d and offset (u4: m' = m - 128 d, undoing the 128 in the codes); s8h:
+// its two half groups' scales d * s[0] and d * s[1] (exact in fp32) in d and m
 template <Kind kind>
 inline void group_scales(const uint8_t* rec, __m512& d, __m512& m) {
   d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
@@ -102,6 +105,14 @@ inline void group_scales(const uint8_t* rec, __m512& d, __m512& m) {
     m = _mm512_fnmadd_ps(
         _mm512_set1_ps(128.f), d,
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32))));
+  if constexpr (kind == Kind::kS8H) {
+    const auto sub = [rec](int h) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h))));
+    };
+    m = _mm512_mul_ps(d, sub(1));
+    d = _mm512_mul_ps(d, sub(0));
+  }
 }
 
 // One group of R rows into tot: pair(j) gives the group's pair j (pair_of the record,
@@ -113,21 +124,27 @@ inline void group_scales(const uint8_t* rec, __m512& d, __m512& m) {
 template <int R, int C, Kind kind, typename Pair, typename Scales>
 inline void group_rows(const uint16_t* xg, int64_t ldx, const float* xs, int64_t G, int64_t g,
                        Pair pair, Scales scales, __m512 (&tot)[R]) {
+  // s8h: pairs 0-7 and 8-15 (k 0-15, 16-31) summed apart, each scaled by its half's d * s
+  constexpr int H = halves(kind), span = 16 / H;
   __m512 acc[C][R];
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  __m512 scale[2];
+  for (int h = 0; h < H; ++h) {
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
 #pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j) {
-    const __m512i p = pair(j);
-    for (int r = 0; r < R; ++r) dp_row(acc[j % C][r], p, xg + r * ldx + 2 * j);
-  }
-  for (int c = 1; c < C; ++c)
-    for (int r = 0; r < R; ++r) acc[0][r] = _mm512_add_ps(acc[0][r], acc[c][r]);
-  const auto [d, m] = scales();  // d and m' (group_scales), loaded after the products
-  for (int r = 0; r < R; ++r) {
-    tot[r] = _mm512_fmadd_ps(d, acc[0][r], tot[r]);
-    if constexpr (kind == Kind::kU4)
-      tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), tot[r]);
+    for (int j = 0; j < span; ++j) {
+      const __m512i p = pair(h * span + j);
+      for (int r = 0; r < R; ++r) dp_row(acc[j % C][r], p, xg + r * ldx + 2 * (h * span + j));
+    }
+    for (int c = 1; c < C; ++c)
+      for (int r = 0; r < R; ++r) acc[0][r] = _mm512_add_ps(acc[0][r], acc[c][r]);
+    // d and m' (group_scales; s8h: the halves' scales), loaded after the first products
+    if (h == 0) std::tie(scale[0], scale[1]) = scales();
+    for (int r = 0; r < R; ++r) {
+      tot[r] = _mm512_fmadd_ps(scale[h], acc[0][r], tot[r]);
+      if constexpr (kind == Kind::kU4)
+        tot[r] = _mm512_fmadd_ps(scale[1], _mm512_set1_ps(xs[r * G + g]), tot[r]);
+    }
   }
 }
 
@@ -142,7 +159,7 @@ template <int R, Kind kind, bool Inline>
 inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G,
                       const uint8_t* w, const __m512i* wide, uint16_t* y, int64_t ldy,
                       int64_t ncols, const float* bias) {
-  constexpr int64_t bytes = kind == Kind::kU4 ? kU4Bytes : kS8Bytes;
+  constexpr int64_t bytes = record_bytes(kind);
   constexpr bool invariant = R <= kSplit;
   constexpr int C = invariant ? 4 : 1;
   __m512 tot[2][R];
@@ -187,24 +204,28 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G
 template <Kind kind, int N>
 inline void row_groups(const uint16_t* x, const float* xs, const uint8_t* w, int64_t g,
                        __m512 (&tot)[2]) {
-  constexpr int64_t bytes = kind == Kind::kU4 ? kU4Bytes : kS8Bytes;
+  constexpr int64_t bytes = record_bytes(kind);
+  constexpr int H = halves(kind), span = 16 / H;  // s8h: each half group apart (group_rows)
   const uint8_t* rec = w + g * bytes;
   prefetch_ahead(rec, N * bytes);
   __m512 acc[N][4];
-  for (int n = 0; n < N; ++n)
-    for (int c = 0; c < 4; ++c) acc[n][c] = _mm512_setzero_ps();
-#pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j)
+  __m512 scale[N][2];
+  for (int h = 0; h < H; ++h) {
     for (int n = 0; n < N; ++n)
-      dp_row(acc[n][j % 4], pair_of<kind>(rec + n * bytes, j), x + (g + n) * kGroup + 2 * j);
-  for (int n = 0; n < N; ++n) {
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[n][0], acc[n][1]),
-                                                   acc[n][2]), acc[n][3]);
-    __m512 d, m;
-    group_scales<kind>(rec + n * bytes, d, m);
-    tot[n] = _mm512_fmadd_ps(d, sum, tot[n]);
-    if constexpr (kind == Kind::kU4)
-      tot[n] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[g + n]), tot[n]);
+      for (int c = 0; c < 4; ++c) acc[n][c] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int j = 0; j < span; ++j)
+      for (int n = 0; n < N; ++n)
+        dp_row(acc[n][j % 4], pair_of<kind>(rec + n * bytes, h * span + j),
+               x + (g + n) * kGroup + 2 * (h * span + j));
+    for (int n = 0; n < N; ++n) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[n][0], acc[n][1]),
+                                                     acc[n][2]), acc[n][3]);
+      if (h == 0) group_scales<kind>(rec + n * bytes, scale[n][0], scale[n][1]);
+      tot[n] = _mm512_fmadd_ps(scale[n][h], sum, tot[n]);
+      if constexpr (kind == Kind::kU4)
+        tot[n] = _mm512_fmadd_ps(scale[n][1], _mm512_set1_ps(xs[g + n]), tot[n]);
+    }
   }
 }
 
@@ -229,7 +250,7 @@ template <Kind kind>
 inline void rows_product_bf16(const uint16_t* x, int64_t ldx, int64_t M, const float* xs,
                               int64_t G, const uint8_t* w, uint16_t* y, int64_t ldy,
                               int64_t ncols, __m512i* wide, const float* bias) {
-  constexpr int64_t bytes = kind == Kind::kU4 ? kU4Bytes : kS8Bytes;
+  constexpr int64_t bytes = record_bytes(kind);
   if (M == 1) return row_bf16<kind>(x, xs, G, w, y, ncols, bias);
   const bool once = M <= kRows;
   if (!once)
@@ -268,8 +289,10 @@ inline void panel_product_bf16(Kind kind, const uint16_t* x, int64_t M, int64_t 
   const int64_t G = K / kGroup;
   if (kind == Kind::kU4)
     rows_product_bf16<Kind::kU4>(x, K, M, xs, G, panel, y, ldy, ncols, wide, bias);
-  else
+  else if (kind == Kind::kS8)
     rows_product_bf16<Kind::kS8>(x, K, M, xs, G, panel, y, ldy, ncols, wide, bias);
+  else
+    rows_product_bf16<Kind::kS8H>(x, K, M, xs, G, panel, y, ldy, ncols, wide, bias);
 }
 
 #endif

@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from .decode_attention import MAX_SPLITS, _decode_kernel, _merge_splits_kernel  # noqa: E402
 from .kv_cache_write import _store_kv_kernel  # noqa: E402
 from .prefill_attention import _prefill_kernel, tuning_space  # noqa: E402
-from .quant_matmul import _quant_matmul_kernel, block_shape  # noqa: E402
+from .quant_matmul import KINDS, _quant_matmul_kernel, block_shape  # noqa: E402
 from .sampling import _BISECTION_STEPS, _ONE_BITS_PLUS_ONE, _sample_kernel  # noqa: E402
 
 I32_ARGS = ("stride_qs", "stride_qh", "stride_bts", "stride_cb", "stride_ct", "stride_ch",
@@ -85,15 +85,15 @@ def variants():
                {"k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}",
                 "v_cache_ptr": f"*{dtype}", "slot_ptr": "*i64"}, {},
                dict(ROW=1024, BLOCK=1024), {})
-    for dtype in ("bf16", "fp16"):  # w4a16 / w8a16 at a decode batch and a wide one
-        for kind in ("u4", "s8"):
+    for dtype in ("bf16", "fp16"):  # w4a16 / w8a16 (s8h: Q6_K) at a decode batch and a wide one
+        for kind in KINDS:
             for rows in (1, 64):
                 block_m, block_n = block_shape(rows)
                 yield (f"quant_matmul {kind} {dtype} m{block_m} n{block_n}",
                        _quant_matmul_kernel,
                        {"x_ptr": f"*{dtype}", "w8_ptr": "*i8", "w16_ptr": "*fp16",
                         "w32_ptr": "*i32", "bias_ptr": "*fp32", "out_ptr": f"*{dtype}"}, {},
-                       dict(U4=kind == "u4", HAS_BIAS=rows == 1, BLOCK_M=block_m,
+                       dict(KIND=KINDS[kind], HAS_BIAS=rows == 1, BLOCK_M=block_m,
                             BLOCK_N=block_n, FP32=False, PRECISION="tf32"), {})
     for rows, block_v in ((1, 4096), (16, 1024)):
         yield (f"sample rows{rows} chunk{block_v}", _sample_kernel,
