@@ -279,7 +279,7 @@ def test_cpu_linear_bench_runs(capsys):
     (the C++ panels here, oneDNN where it is built in, and the quantized forms: q4, q8, q6)."""
     from tritonserve.bench import cpu_linear
     assert cpu_linear.main(["--rows", "1,3", "--layers", "1", "--hidden", "32",
-                            "--intermediate", "48", "--heads", "2", "--kv-heads", "1",
+                            "--intermediate", "64", "--heads", "2", "--kv-heads", "1",
                             "--head-dim", "16", "--vocab", "100", "--repeats", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     rows = [line for line in out if line.startswith("M=")]
