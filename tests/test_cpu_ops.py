@@ -276,7 +276,7 @@ def test_cpu_decode_bench_engine_layout():
 
 def test_cpu_linear_bench_runs(capsys):
     """`tritonserve bench cpu-linear` on tiny shapes: a row per M with every available form timed
-    (the C++ panels here, oneDNN where it is built in, and the quantized forms: q4, q8, q6)."""
+    (the C++ panels here, oneDNN where it is built in, and the quantized forms: q4 to q8)."""
     from tritonserve.bench import cpu_linear
     assert cpu_linear.main(["--rows", "1,3", "--layers", "1", "--hidden", "32",
                             "--intermediate", "64", "--heads", "2", "--kv-heads", "1",
@@ -285,7 +285,7 @@ def test_cpu_linear_bench_runs(capsys):
     rows = [line for line in out if line.startswith("M=")]
     assert [r.split(":")[0] for r in rows] == ["M=1", "M=3"]
     assert all("panels (C++)" in r and "GFLOP/s" in r for r in rows)
-    assert all(f in r for r in rows for f in ("q4 (u4", "q8 (s8)", "q6 (s8h"))
+    assert all(f in r for r in rows for f in ("q4 (u4", "q8 (s8)", "q6 (s8h", "q5 (s8hm"))
 
 
 def _op_cases():

@@ -210,14 +210,15 @@ def _q4_k(w):
 
 @pytest.mark.slow
 @needs_library
-def test_a_k_quant_gguf_serves_its_q4_k_q6_k_and_q5_0_blocks_and_the_rest_dense(tmp_path,
-                                                                               monkeypatch):
+def test_a_k_quant_gguf_serves_its_blocks_in_every_kind_and_the_rest_dense(tmp_path,
+                                                                            monkeypatch):
     """A llama.cpp K mix made from the embedded file: every ffn_down as Q4_K (layer 0's as
-    Q6_K), every attn_v as Q5_0 (layer 1's as Q5_1, which has no block form). Under auto the
-    engine serves Q4_K, Q6_K and Q5_0 as blocks and Q5_1 dense (the start-up line counts
-    them) and gives the greedy tokens of the file's dequantized weights (--quantization none);
-    in bf16 the layers op gives the eager step bit for bit on these blocks; asked for gguf by
-    name it refuses, naming the Q5_1 tensor."""
+    Q6_K), every attn_v as Q5_0 beside the file's Q4_1 q and k (layer 1's as IQ4_NL, which
+    has no block form, layer 2's as Q5_1). Under auto the engine serves Q4_K (u4), Q6_K (s8h)
+    and each mixed q, k, v (s8hm) as blocks and layer 1's qkv dense, and gives the greedy
+    tokens of the file's dequantized weights (--quantization none); in bf16 the layers op
+    gives the eager step bit for bit on these blocks; asked for gguf by name it refuses,
+    naming the IQ4_NL tensor."""
     import gguf
     import numpy as np
     from gguf import quants
@@ -250,7 +251,14 @@ def test_a_k_quant_gguf_serves_its_q4_k_q6_k_and_q5_0_blocks_and_the_rest_dense(
                 raw, ggml_type = raw.reshape(dense.shape[0], -1), types.Q6_K
             elif ".ffn_down." in t.name:
                 raw, ggml_type = _q4_k(dense), types.Q4_K
-            elif t.name.startswith("blk.1.attn_v"):
+            elif t.name.startswith("blk.1.attn_v"):  # random indices, small d
+                rng = np.random.default_rng(1)
+                raw = rng.integers(0, 256, (dense.shape[0], dense.shape[1] // 32, 18),
+                                   dtype=np.uint8)
+                raw[:, :, :2] = np.full(raw.shape[:2], 1e-3, np.float16)[..., None].view(
+                    np.uint8)
+                raw, ggml_type = raw.reshape(dense.shape[0], -1), types.IQ4_NL
+            elif t.name.startswith("blk.2.attn_v"):
                 raw, ggml_type = quants.quantize(dense, types.Q5_1), types.Q5_1
             else:
                 raw, ggml_type = quants.quantize(dense, types.Q5_0), types.Q5_0
@@ -267,8 +275,10 @@ def test_a_k_quant_gguf_serves_its_q4_k_q6_k_and_q5_0_blocks_and_the_rest_dense(
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     blocks = LLM(str(path), dtype="float32", max_num_seqs=2)
     assert blocks.engine.runner.plan.weights == "gguf"
-    down = [layer.mlp.down_proj.weight for layer in blocks.engine.runner.model.layers]
-    assert quant_layout.kind_of(down[0]) == "s8h" and quant_layout.kind_of(down[1]) == "u4"
+    layers = blocks.engine.runner.model.layers
+    down = [quant_layout.kind_of(layer.mlp.down_proj.weight) for layer in layers]
+    qkv = [quant_layout.kind_of(layer.self_attn.qkv_proj.weight) for layer in layers]
+    assert down[:2] == ["s8h", "u4"] and qkv[:3] == ["s8hm", None, "s8hm"]
     served = [o.token_ids for o in blocks.generate(prompts, params)]
     del blocks
     dense = LLM(str(path), dtype="float32", quantization="none", max_num_seqs=2)
@@ -282,5 +292,5 @@ def test_a_k_quant_gguf_serves_its_q4_k_q6_k_and_q5_0_blocks_and_the_rest_dense(
         assert {n for n, _, _ in steps} == {3, 2, 1}
         assert all(same for _, _, same in steps), [n for n, _, same in steps if not same]
         del eager
-    with pytest.raises(GGUFError, match="blk.1.attn_v.weight is Q5_1"):
+    with pytest.raises(GGUFError, match="blk.1.attn_v.weight is IQ4_NL"):
         LLM(str(path), dtype="float32", quantization="gguf", max_num_seqs=2)

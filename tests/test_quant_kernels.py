@@ -17,47 +17,52 @@ needs_library = pytest.mark.skipif(cpu.op("packed_linear_quant") is None,
                                    reason="no C++ toolchain")
 
 
-KINDS = ["u4", "s8", "s8h"]
+KINDS = ["u4", "s8", "s8h", "s8hm"]
 
 
-def _random(kind: str, n: int, k: int, seed: int = 0):
-    """(d, q, third): u4's offsets m, s8h's int8 half-group scales, or None (s8)."""
+def _random(kind: str, n: int, k: int, seed: int = 0) -> dict:
+    """pack's arguments for a kind: d and q, u4's and s8hm's offsets m, s8h's and s8hm's int8
+    half-group scales sub."""
     g = torch.Generator().manual_seed(seed)
     d = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
     if kind == "u4":
-        return d, torch.randint(0, 16, (n, k), generator=g), -torch.rand(n, k // 32, generator=g) * 0.1
-    q = torch.randint(-128, 128, (n, k), generator=g)
-    if kind == "s8h":  # Q6_K's scales are small: d / 64 keeps the products in range
-        return d / 64, q, torch.randint(-128, 128, (n, k // 16), generator=g)
-    return d, q, None
+        return dict(d=d, q=torch.randint(0, 16, (n, k), generator=g),
+                    m=-torch.rand(n, k // 32, generator=g) * 0.1)
+    parts = dict(d=d, q=torch.randint(-128, 128, (n, k), generator=g))
+    if kind in ("s8h", "s8hm"):  # K types' scales are small: d / 64 keeps products in range
+        parts.update(d=d / 64, sub=torch.randint(-128, 128, (n, k // 16), generator=g))
+    if kind == "s8hm":
+        parts["m"] = torch.randn(n, k // 32, generator=g) * 0.1
+    return parts
 
 
-def _pack(kind: str, d, q, third) -> torch.Tensor:
-    if kind == "s8h":
-        return quant_layout.pack(kind, d, q, sub=third)
-    return quant_layout.pack(kind, d, q, third)
+def _pack(kind: str, parts: dict) -> torch.Tensor:
+    return quant_layout.pack(kind, parts["d"], parts["q"], parts.get("m"), sub=parts.get("sub"))
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_pack_and_unpack_are_inverse_and_dequantize_is_d_q_plus_m(kind):
     n, k = 37, 96  # a partial last panel (37 = 2 x 16 + 5)
-    d, q, third = _random(kind, n, k)
-    packed = _pack(kind, d, q, third)
+    parts = _random(kind, n, k)
+    d, q, m, sub = (parts.get(key) for key in ("d", "q", "m", "sub"))
+    packed = _pack(kind, parts)
     assert packed.shape == (3, 3, quant_layout.RECORD_BYTES[kind])
     assert quant_layout.kind_of(packed) == kind
     d2, q2, m2 = quant_layout.unpack(packed, n)
     assert torch.equal(q2.long(), q.long())
     scale = d.half().float()
-    if kind == "s8h":  # a scale each 16 k: d * s, exact in fp32
-        scale = scale.repeat_interleave(2, dim=1) * third.float()
-    assert torch.equal(d2, scale)
-    expected = q.float() * scale.repeat_interleave(k // scale.shape[1], dim=1)
-    if kind == "u4":
-        assert torch.equal(m2, third.half().float())
-        expected = expected + third.half().float().repeat_interleave(32, dim=1)
-    else:
-        assert not m2.any()
+    offset = torch.zeros_like(scale) if m is None else m.half().float()
+    if sub is not None:  # a scale each 16 k: d * s, exact in fp32
+        scale = scale.repeat_interleave(2, dim=1) * sub.float()
+        offset = offset.repeat_interleave(2, dim=1)
+    assert torch.equal(d2, scale) and torch.equal(m2, offset)
+    width = k // scale.shape[1]
+    expected = (q.float() * scale.repeat_interleave(width, dim=1)
+                + offset.repeat_interleave(width, dim=1))
     assert torch.equal(quant_layout.dequantize(packed, n), expected)
+    # every kind goes into s8hm as it is (a fused projection's parts in different kinds)
+    assert torch.equal(quant_layout.dequantize(quant_layout.repack(packed, n, "s8hm"), n),
+                       expected)
     # the reference runs where the weight lies (the CUDA engine's reference path; an H200
     # run found it building its shifts on the CPU): on "meta" any CPU operand would raise
     d3, q3, m3 = quant_layout.unpack(packed.to("meta"), n)
@@ -75,17 +80,19 @@ def test_pack_refuses_codes_out_of_range_and_ragged_rows():
     with pytest.raises(ValueError, match="row length 40"):
         quant_layout.quantize(torch.randn(4, 40), "u4")
     codes = torch.zeros(2, 32, dtype=torch.int16)
-    with pytest.raises(ValueError, match="s8h needs it"):
+    with pytest.raises(ValueError, match="they need it"):
         quant_layout.pack("s8h", d, codes)
-    with pytest.raises(ValueError, match="s8h needs it"):
+    with pytest.raises(ValueError, match="they need it"):
         quant_layout.pack("s8", d, codes, sub=torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="m .* is u4's and s8hm's, not s8h's"):
+        quant_layout.pack("s8h", d, codes, torch.zeros(2, 1), sub=torch.zeros(2, 2))
     with pytest.raises(ValueError, match=r"sub must be int8 values \[N, K / 16\]"):
         quant_layout.pack("s8h", d, codes, sub=torch.zeros(2, 1))
     with pytest.raises(ValueError, match="sub must be int8"):
         quant_layout.pack("s8h", d, codes, sub=torch.full((2, 2), 128))
 
 
-@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
 def test_gguf_blocks_parse_to_what_the_gguf_package_dequantizes(ggml_type):
     """The oracle: gguf.quants quantizes a random matrix into the type's blocks and
     dequantizes them; our parse + pack + dequantize gives the same fp32 weights exactly."""
@@ -95,9 +102,10 @@ def test_gguf_blocks_parse_to_what_the_gguf_package_dequantizes(ggml_type):
     weights = np.random.default_rng(1).standard_normal((40, 128)).astype(np.float32)
     raw = quants.quantize(weights, qtype)
     oracle = torch.from_numpy(quants.dequantize(raw, qtype))
-    d, q, m = gguf_weights.parse_blocks(ggml_type, raw, 40, 128)
-    kind = gguf_weights.SERVED[ggml_type][0]
-    assert torch.equal(quant_layout.dequantize(quant_layout.pack(kind, d, q, m), 40), oracle)
+    packed = gguf_weights.pack_parsed(ggml_type,
+                                      gguf_weights.parse_blocks(ggml_type, raw, 40, 128))
+    assert quant_layout.kind_of(packed) == gguf_weights.SERVED[ggml_type][0]
+    assert torch.equal(quant_layout.dequantize(packed, 40), oracle)
 
 
 def _q4_k_blocks(n: int, supers: int, seed: int = 0) -> np.ndarray:
@@ -150,9 +158,32 @@ def test_q6_k_blocks_parse_to_exactly_what_the_gguf_package_dequantizes():
     d, q, sub = gguf_weights.parse_blocks("Q6_K", raw, n, k)
     assert q.shape == (n, k) and int(q.min()) == -32 and int(q.max()) == 31
     assert sub.shape == (n, k // 16)
-    packed = quant_layout.pack("s8h", d, q, sub=sub)
+    packed = gguf_weights.pack_parsed("Q6_K", (d, q, sub))
     assert quant_layout.kind_of(packed) == "s8h"
     assert torch.equal(quant_layout.dequantize(packed, n), oracle)
+
+
+def test_q5_k_blocks_parse_to_the_gguf_dequantizer_within_the_fp16_offset():
+    """Q5_K: Q4_K's scales and mins with a fifth bit a code, as s8hm: d and each sub block's
+    6-bit scale kept apart (their product exact), the offset -dmin * min rounded to fp16:
+    within 2^-11 of each group's offset of gguf's weights, and exact before that rounding."""
+    quants = pytest.importorskip("gguf.quants")
+    import gguf
+    n, k = 24, 512
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, (n, k // 256, 176), dtype=np.uint8)
+    raw[:, :, 0:4] = (rng.random((n, k // 256, 2)) * 1e-3 + 1e-4).astype(np.float16).view(
+        np.uint8).reshape(n, k // 256, 4)
+    raw = raw.reshape(n, -1)
+    oracle = torch.from_numpy(quants.dequantize(raw, gguf.GGMLQuantizationType.Q5_K))
+    d, q, m, sub = gguf_weights.parse_blocks("Q5_K", raw, n, k)
+    assert int(q.min()) == 0 and int(q.max()) == 31 and sub.shape == (n, k // 16)
+    scale = (d.repeat_interleave(2, dim=1) * sub.float()).repeat_interleave(16, dim=1)
+    exact = q.float() * scale + m.repeat_interleave(32, dim=1)
+    assert torch.equal(exact, oracle)
+    got = quant_layout.dequantize(gguf_weights.pack_parsed("Q5_K", (d, q, m, sub)), n)
+    bound = m.abs().repeat_interleave(32, dim=1) * 2.0 ** -11
+    assert bool(((got - oracle).abs() <= bound + 1e-12).all())
 
 
 def _write_gguf(path, tensors: dict):
@@ -169,31 +200,48 @@ def _write_gguf(path, tensors: dict):
 
 
 def test_a_type_with_no_block_form_is_refused_when_asked_and_left_dense_under_auto(tmp_path):
-    """Q5_K (5-bit codes with a min under each scale) has no form in the layout: strict
+    """Q2_K (2-bit codes under 4-bit scales) has no form in the layout: strict
     (--quantization gguf) names the tensor and type, lenient (auto) serves the Q4_K and Q6_K
-    tensors as blocks and lists the Q5_K one as left dense; the kept panels remember which (a
+    tensors as blocks and lists the Q2_K one as left dense; the kept panels remember which (a
     strict start on a kept file refuses too)."""
     path = _write_gguf(tmp_path / "k.gguf", {
         "blk.0.ffn_down.weight": (_q4_k_blocks(16, 1), "Q4_K"),
         "blk.0.ffn_gate.weight": (_q6_k_blocks(16, 1), "Q6_K"),
-        "blk.0.ffn_up.weight": (np.zeros((4, 176), dtype=np.uint8), "Q5_K")})
-    with pytest.raises(gguf_weights.GGUFError, match="blk.0.ffn_up.weight is Q5_K"):
+        "blk.0.ffn_up.weight": (np.zeros((4, 84), dtype=np.uint8), "Q2_K")})
+    with pytest.raises(gguf_weights.GGUFError, match="blk.0.ffn_up.weight is Q2_K"):
         gguf_weights.read_quantized(path, 2, 1)
     served = gguf_weights.read_quantized(path, 2, 1, strict=False)
     assert list(served) == ["model.layers.0.mlp.down_proj.weight",
                             "model.layers.0.mlp.gate_proj.weight"]
     assert served["model.layers.0.mlp.down_proj.weight"].kind == "u4"
     assert served["model.layers.0.mlp.gate_proj.weight"].kind == "s8h"
-    assert served.skipped == {"blk.0.ffn_up.weight": "Q5_K"}
-    assert gguf_weights.types_of(served) == "Q4_K x1, Q6_K x1; dense (no block form): Q5_K x1"
+    assert served.skipped == {"blk.0.ffn_up.weight": "Q2_K"}
+    assert gguf_weights.types_of(served) == "Q4_K x1, Q6_K x1; dense (no block form): Q2_K x1"
     kept = gguf_weights.read_quantized_cached(path, 2, 1, tmp_path, strict=False)
     assert (tmp_path / gguf_weights.PACKED).exists() and kept.skipped == served.skipped
     again = gguf_weights.read_quantized_cached(path, 2, 1, tmp_path, strict=False)
     assert torch.equal(again["model.layers.0.mlp.down_proj.weight"].packed,
                        served["model.layers.0.mlp.down_proj.weight"].packed)
     assert again.skipped == served.skipped
-    with pytest.raises(gguf_weights.GGUFError, match="blk.0.ffn_up.weight is Q5_K"):
+    with pytest.raises(gguf_weights.GGUFError, match="blk.0.ffn_up.weight is Q2_K"):
         gguf_weights.read_quantized_cached(path, 2, 1, tmp_path, strict=True)
+
+
+def test_fused_parts_in_different_kinds_are_repacked_into_s8hm_as_they_are():
+    """q, k as u4 (Q4_K / Q4_1) and v as s8h (Q6_K): fuse_rows gives one s8hm weight whose
+    rows dequantize to each part's own weights, bit for bit; parts of one kind keep it."""
+    kinds = {"q": "u4", "k": "u4", "v": "s8h"}
+    parts = [gguf_weights.QuantTensor("any", kind, _pack(kind, _random(kind, 32, 64, seed=i)),
+                                      (32, 64)) for i, kind in enumerate(kinds.values())]
+    fused = gguf_weights.fuse_rows(parts)
+    assert quant_layout.kind_of(fused) == "s8hm"
+    assert torch.equal(quant_layout.dequantize(fused, 96), torch.cat(
+        [quant_layout.dequantize(p.packed, 32) for p in parts]))
+    same = gguf_weights.fuse_rows(parts[:2])
+    assert quant_layout.kind_of(same) == "u4" and torch.equal(
+        same, torch.cat([p.packed for p in parts[:2]]))
+    assert gguf_weights.fuse_rows([gguf_weights.QuantTensor(
+        "any", "u4", _pack("u4", _random("u4", 20, 64)), (20, 64)), parts[2]]) is None
 
 
 def test_llama_cpp_q_k_row_order_is_undone():
@@ -213,7 +261,7 @@ def test_the_op_matches_the_reference(kind, dtype):
     one bf16 step."""
     op = torch.ops.tritonserve.packed_linear_quant
     for k in (96, 576):
-        packed = _pack(kind, *_random(kind, 50, k, seed=k))
+        packed = _pack(kind, _random(kind, 50, k, seed=k))
         bias = torch.randn(50)
         for rows in (*range(1, 10), 17, 70):
             x = torch.randn(rows, k).to(dtype)
@@ -236,7 +284,7 @@ def test_bf16_rows_up_to_four_do_not_depend_on_their_company(kind):
     one-row path's sums): a speculating step's K + 1 rows then give one row's tokens."""
     op = torch.ops.tritonserve.packed_linear_quant
     for k in (96, 576):  # an odd and an even number of groups
-        packed = _pack(kind, *_random(kind, 50, k, seed=k + 1))
+        packed = _pack(kind, _random(kind, 50, k, seed=k + 1))
         bias = torch.randn(50)
         x = torch.randn(4, k).to(torch.bfloat16)
         alone = torch.cat([op(x[r:r + 1], packed, 50, bias) for r in range(4)])
@@ -262,7 +310,7 @@ def test_quantize_is_close_and_its_codes_are_the_nearest():
     """int4 per group of 32 (scale and offset), int8 per row and 6-bit a 16 k (s8h): every
     weight within half a step (plus the offset's fp16 rounding) of the original."""
     w = torch.randn(48, 128)
-    for kind in KINDS:
+    for kind in ("u4", "s8", "s8h"):  # s8hm: GGUF files and mixed parts only
         packed = quant_layout.quantize(w, kind)
         back = quant_layout.dequantize(packed, 48)
         d, _, _ = quant_layout.unpack(packed, 48)

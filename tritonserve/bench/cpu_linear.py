@@ -73,6 +73,10 @@ def main(argv: list[str]) -> int:
                                       for i, w in enumerate(weights)]
         forms["q8 (s8)"] = [quant_layout.quantize(w, "s8") for w in weights]
         forms["q6 (s8h: GGUF Q6_K)"] = [quant_layout.quantize(w, "s8h") for w in weights]
+        # int4 codes repacked as they are: the bytes of a Q5_1 / Q5_K file or of mixed parts
+        forms["q5 (s8hm: GGUF Q5_1, Q5_K)"] = [
+            quant_layout.repack(quant_layout.quantize(w, "u4"), w.shape[0], "s8hm")
+            for w in weights]
     read = read_gbps()
     print(f"weights {nbytes / 1e6:.0f} MB {args.dtype}; read bandwidth (this run) {read:.1f} GB/s, so "
           f"a pass reads them in >= {nbytes / read / 1e6:.1f} ms; threads "

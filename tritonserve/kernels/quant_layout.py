@@ -9,10 +9,13 @@ kernels/cpu/panels_quant.h reads it (the C++ matmul) and states the bytes:
 - s8h: weight[n, k] = (d[n, g] * s[n, k // 16]) * q[n, k], q in -128..127 and s an int8 scale
   a half group of 16 k (GGUF Q6_K: its super block's d, its 16-wide sub blocks' scales, codes
   less 32; the product d * s is exact in fp32, as gguf's dequantizer forms it)
+- s8hm: weight[n, k] = (d[n, g] * s[n, k // 16]) * q[n, k] + m[n, g]: every other kind in one
+  (GGUF Q5_1 and Q5_K, whose 5-bit codes need a byte and an offset; a fused projection whose
+  parts came in different kinds, each part's codes and scales as they were: `repack`)
 
 d and m are fp16, as in the GGUF blocks, so a block is the same bytes here as in the file.
-Panels of 16 output rows, records of 32 k: uint8 [ceil(N / 16), K / 32, 320 (u4), 544 (s8) or
-576 (s8h)]; rows past N are zero.
+Panels of 16 output rows, records of 32 k: uint8 [ceil(N / 16), K / 32, 320 (u4), 544 (s8),
+576 (s8h) or 608 (s8hm)]; rows past N are zero.
 """
 from __future__ import annotations
 
@@ -20,13 +23,16 @@ import torch
 
 COLS = 16
 GROUP = 32
-RECORD_BYTES = {"u4": 64 + 256, "s8": 32 + 512, "s8h": 64 + 512}
+RECORD_BYTES = {"u4": 64 + 256, "s8": 32 + 512, "s8h": 64 + 512, "s8hm": 96 + 512}
+CODES_AT = {"s8": 32, "s8h": 64, "s8hm": 96}  # where an s8 kind's codes start in a record
+HALVED = ("s8h", "s8hm")  # the kinds with a scale a half group
+OFFSET = ("u4", "s8hm")  # the kinds with an offset m a group
 HALF = 16  # k a sub-block scale of s8h
 _KINDS = {size: kind for kind, size in RECORD_BYTES.items()}  # kind_of runs once a matmul call
 
 
 def kind_of(weight: torch.Tensor) -> str | None:
-    """u4 or s8 for a packed weight, None for anything else."""
+    """The kind of a packed weight (u4, s8, s8h, s8hm), None for anything else."""
     if weight.dtype != torch.uint8 or weight.dim() != 3:
         return None
     return _KINDS.get(weight.shape[2])
@@ -35,8 +41,9 @@ def kind_of(weight: torch.Tensor) -> str | None:
 def pack(kind: str, d: torch.Tensor, q: torch.Tensor, m: torch.Tensor | None = None, *,
          sub: torch.Tensor | None = None) -> torch.Tensor:
     """d, m [N, G] (any float dtype: stored as fp16), q [N, K = 32 G] integer codes (u4: 0..15,
-    s8 and s8h: -128..127) -> uint8 panels. m only for u4 (None: zero); sub only for s8h: the
-    int8 scales [N, K / 16] of each half group (required)."""
+    the s8 kinds: -128..127) -> uint8 panels. m for u4 and s8hm (None: zero); sub, the int8
+    scales [N, K / 16] of each half group, for s8h and s8hm (required there, refused
+    elsewhere)."""
     if kind not in RECORD_BYTES:
         raise ValueError(f"kind must be one of {sorted(RECORD_BYTES)}, got {kind!r}")
     n, k = q.shape
@@ -46,11 +53,14 @@ def pack(kind: str, d: torch.Tensor, q: torch.Tensor, m: torch.Tensor | None = N
     lo, hi = (0, 15) if kind == "u4" else (-128, 127)
     if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):
         raise ValueError(f"{kind} codes must lie in [{lo}, {hi}]")
-    if (kind == "s8h") != (sub is not None):
-        raise ValueError("sub (the half groups' int8 scales) is s8h's, and s8h needs it")
+    if (kind in HALVED) != (sub is not None):
+        raise ValueError("sub (the half groups' int8 scales) is s8h's and s8hm's, and they "
+                         "need it")
     if sub is not None and (sub.shape != (n, k // HALF) or (sub.numel() and (
             int(sub.min()) < -128 or int(sub.max()) > 127))):
         raise ValueError(f"sub must be int8 values [N, K / {HALF}]; got {tuple(sub.shape)}")
+    if m is not None and kind not in OFFSET:
+        raise ValueError(f"m (the groups' offsets) is u4's and s8hm's, not {kind}'s")
     groups, panels = k // GROUP, -(-n // COLS)
     rows = panels * COLS
 
@@ -65,31 +75,31 @@ def pack(kind: str, d: torch.Tensor, q: torch.Tensor, m: torch.Tensor | None = N
 
     codes = padded(q, torch.int16).view(panels, COLS, groups, GROUP)
     codes = codes.permute(0, 2, 3, 1)  # [P, G, 32 k, 16 cols]
+    m = torch.zeros_like(d) if m is None else m
     if kind == "u4":  # blocks of 8 k: nibble 4 h + i of a column's word = k 2 i + h
         blocks = codes.reshape(panels, groups, 4, 4, 2, COLS).to(torch.int64)
         shifts = (4 * (torch.arange(4).view(4, 1) + 4 * torch.arange(2).view(1, 2)))
         words = (blocks << shifts.view(1, 1, 1, 4, 2, 1)).sum(dim=(3, 4))  # [P, G, 4, 16]
         words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)  # as int32 bits
         body = words.to(torch.int32).contiguous().view(torch.uint8)  # little-endian words
-        m = torch.zeros_like(d) if m is None else m
-        parts = [scales(d), scales(m), body.reshape(panels, groups, -1)]
-    elif kind == "s8h":  # s[h][c] at byte 32 + 16 h + c of a record
+        return torch.cat([scales(d), scales(m), body.reshape(panels, groups, -1)],
+                         dim=2).contiguous()
+    parts = [scales(d)] + ([scales(m)] if kind in OFFSET else [])
+    if sub is not None:  # s[h][c] at 16 h + c of the record's scale bytes
         halves = padded(sub, torch.int8).view(panels, COLS, groups, 2).permute(0, 2, 3, 1)
-        body = codes.to(torch.int8).contiguous().view(torch.uint8)
-        parts = [scales(d), halves.contiguous().view(torch.uint8).reshape(panels, groups, -1),
-                 body.reshape(panels, groups, -1)]
-    else:
-        body = codes.to(torch.int8).contiguous().view(torch.uint8)
-        parts = [scales(d), body.reshape(panels, groups, -1)]
+        parts.append(halves.contiguous().view(torch.uint8).reshape(panels, groups, -1))
+    parts.append(codes.to(torch.int8).contiguous().view(torch.uint8).reshape(panels, groups, -1))
     return torch.cat(parts, dim=2).contiguous()
 
 
-def unpack(weight: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """packed panels -> (d [N, G] fp32, q [N, K] int16, m [N, G] fp32; zero for s8). s8h: d
-    is each half group's scale d * s [N, 2 G] (exact in fp32), m zero of that shape."""
+def factors(weight: torch.Tensor, n: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """packed panels -> what pack took, for any kind: (d [N, G] fp32, q [N, K] int16, m [N, G]
+    fp32 (zero where the kind has none), sub [N, K / 16] int16 (one where it has none))."""
     kind = kind_of(weight)
     if kind is None:
-        raise ValueError("not a packed quantized weight (uint8 [P, G, 320, 544 or 576])")
+        raise ValueError("not a packed quantized weight (uint8 [P, G, "
+                         f"{', '.join(str(b) for b in RECORD_BYTES.values())}])")
     panels, groups, _ = weight.shape
 
     def scales(offset: int) -> torch.Tensor:  # -> [N, G] fp32
@@ -97,30 +107,51 @@ def unpack(weight: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, to
         return half.transpose(1, 2).reshape(panels * COLS, groups)[:n].float()
 
     d = scales(0)
+    m = scales(32) if kind in OFFSET else torch.zeros_like(d)
+    sub = torch.ones((d.shape[0], 2 * groups), dtype=torch.int16, device=weight.device)
     if kind == "u4":
         words = weight[:, :, 64:].contiguous().view(torch.int32).to(torch.int64)
         words = words.reshape(panels, groups, 4, 1, 1, COLS) & 0xFFFFFFFF
         steps = torch.arange(4, device=weight.device)
         shifts = 4 * (steps.view(4, 1) + 4 * steps[:2].view(1, 2))
         codes = (words >> shifts.view(1, 1, 1, 4, 2, 1)) & 15  # [P, G, 4, 4 i, 2 h, 16]
-        m = scales(32)
     else:
-        at = 64 if kind == "s8h" else 32
+        at = CODES_AT[kind]
         body = weight[:, :, at:].contiguous().view(torch.int8)
         codes = body.reshape(panels, groups, GROUP, COLS).to(torch.int16)
-        if kind == "s8h":
-            sub = weight[:, :, 32:64].contiguous().view(torch.int8).reshape(
+        if kind in HALVED:
+            sub = weight[:, :, at - 32:at].contiguous().view(torch.int8).reshape(
                 panels, groups, 2, COLS).permute(0, 3, 1, 2).reshape(panels * COLS, 2 * groups)
-            d = d.repeat_interleave(2, dim=1) * sub[:n].float()
-        m = torch.zeros_like(d)
+            sub = sub[:n].to(torch.int16)
     codes = codes.reshape(panels, groups, GROUP, COLS).permute(0, 3, 1, 2)
-    return d, codes.reshape(panels * COLS, groups * GROUP)[:n], m
+    return d, codes.reshape(panels * COLS, groups * GROUP)[:n], m, sub
+
+
+def unpack(weight: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """packed panels -> (d [N, G] fp32, q [N, K] int16, m [N, G] fp32; zero for s8). s8h and
+    s8hm: d is each half group's scale d * s [N, 2 G] (exact in fp32), m its group's offset
+    (zero for s8h) in that shape."""
+    d, q, m, sub = factors(weight, n)
+    if kind_of(weight) in HALVED:
+        return (d.repeat_interleave(2, dim=1) * sub.float(), q,
+                m.repeat_interleave(2, dim=1))
+    return d, q, m
+
+
+def repack(weight: torch.Tensor, n: int, kind: str) -> torch.Tensor:
+    """A packed weight in another kind that holds it exactly (any kind into s8hm: a fused
+    projection whose parts came in different kinds); the codes and fp16 scales as they
+    were."""
+    d, q, m, sub = factors(weight, n)
+    if kind != "s8hm":
+        raise ValueError(f"repack: only into s8hm, which holds every kind; got {kind!r}")
+    return pack(kind, d, q, m, sub=sub)
 
 
 def dequantize(weight: torch.Tensor, n: int) -> torch.Tensor:
     """The reference: packed panels -> the fp32 weight [N, K] (d * q + m, per group)."""
     d, q, m = unpack(weight, n)
-    width = q.shape[1] // max(d.shape[1], 1)  # k a scale: 32, or 16 (s8h)
+    width = q.shape[1] // max(d.shape[1], 1)  # k a scale: 32, or 16 (s8h, s8hm)
     return q.float() * d.repeat_interleave(width, dim=1) + m.repeat_interleave(width, dim=1)
 
 

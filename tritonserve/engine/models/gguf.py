@@ -4,19 +4,23 @@ the Hugging Face checkpoint names them. Config, tokenizer and the small tensors 
 embedding table for the lookup) come from the converted folder (engine/default_model.py).
 
 Served as blocks: Q8_0 and Q5_0 (s8: Q5_0's 5-bit codes less 16 fit an int8, exactly), Q4_0,
-Q4_1 and Q4_K (u4), Q6_K (s8h). Q4_K's 256-wide super block holds eight 32-wide sub blocks of
-4-bit codes, each with a 6-bit scale and min under the block's fp16 d and dmin: a sub block
-becomes one group with d * scale and -dmin * min rounded to fp16, the layout's (at most 2^-11
-of the scale, against a 4-bit code's step of 1/15 of the range). Q6_K's 16-wide sub blocks of
-6-bit codes (less 32: an int8) each have an int8 scale under the super block's fp16 d: the
-layout's s8h keeps d and both scales of a 32-wide group as they are (9 bits a weight against
-the file's 6.56, the 6-bit codes widened to bytes as Q5_0's are). Every type but Q4_K is exact.
-The other types (Q5_1, Q2_K, Q3_K, Q5_K, ...) have no form in the layout: under
+Q4_1 and Q4_K (u4), Q6_K (s8h), Q5_1 and Q5_K (s8hm). Q4_K's 256-wide super block holds eight
+32-wide sub blocks of 4-bit codes, each with a 6-bit scale and min under the block's fp16 d
+and dmin: a sub block becomes one group with d * scale and -dmin * min rounded to fp16, the
+layout's (at most 2^-11 of the scale, against a 4-bit code's step of 1/15 of the range).
+Q5_K is Q4_K with a fifth bit a code: s8hm keeps d and the 6-bit scale apart (exact) and
+rounds -dmin * min to fp16 as Q4_K does. Q6_K's 16-wide sub blocks of 6-bit codes (less 32:
+an int8) each have an int8 scale under the super block's fp16 d: s8h keeps d and both scales
+of a 32-wide group as they are. The 5- and 6-bit codes are widened to bytes, as Q5_0's are
+(9-9.5 bits a weight against the file's 5.5-6.56). Every type but Q4_K and Q5_K is exact.
+The other types (Q2_K, Q3_K, the IQ types, ...) have no form in the layout: under
 --quantization auto such a tensor is served from the converted folder's dequantized weights
 (dense panels; the start-up line counts them), under --quantization gguf the file is refused
-naming the tensor and type. Q4_K and Q6_K need rows that are a multiple of 256: SmolLM2's
+naming the tensor and type. The K types need rows that are a multiple of 256: SmolLM2's
 576-wide rows are not, and llama.cpp's quantizer gives such tensors Q5_0 / Q8_0 in its K
-mixes (a K type on such a row cannot be written at all).
+mixes (a K type on such a row cannot be written at all). Projections fused into one matmul
+(q, k, v; gate, up) whose parts came in different types (a K mix's Q6_K attn_v beside Q4_K q
+and k) are repacked into s8hm, which holds every kind with its codes and scales as they were.
 The q and k projections are stored permuted for llama.cpp's interleaved rope; their rows are
 put back as transformers' GGUF loader does (LlamaTensorProcessor._reverse_permute_weights).
 Parsing and packing the embedded file takes ~3 s, every engine start: `read_quantized_cached`
@@ -39,7 +43,8 @@ from tritonserve.kernels import quant_layout
 
 # GGML block types served as they are: (kind, block bytes, values a block)
 SERVED = {"Q8_0": ("s8", 34, 32), "Q5_0": ("s8", 22, 32), "Q4_0": ("u4", 18, 32),
-          "Q4_1": ("u4", 20, 32), "Q4_K": ("u4", 144, 256), "Q6_K": ("s8h", 210, 256)}
+          "Q4_1": ("u4", 20, 32), "Q4_K": ("u4", 144, 256), "Q6_K": ("s8h", 210, 256),
+          "Q5_1": ("s8hm", 24, 32), "Q5_K": ("s8hm", 176, 256)}
 DENSE = ("F32", "F16", "BF16")  # norms, biases: read through the converted folder
 
 _NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -96,11 +101,11 @@ def _q4_k_scales(scales: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, minimum
 
 
-def parse_blocks(ggml_type: str, raw: np.ndarray, n: int, k: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def parse_blocks(ggml_type: str, raw: np.ndarray, n: int, k: int) -> tuple:
     """raw uint8 [N, bytes a row] of one of SERVED -> (d [N, G] fp32, q [N, K] int16,
     m [N, G] fp32 or None), weight = d * q + m per group of 32; Q6_K: (d [N, G], q, its int8
-    sub-block scales [N, K / 16]), weight = (d * s) * q per 16 k (quant_layout's s8h)."""
+    sub-block scales [N, K / 16]), weight = (d * s) * q per 16 k (quant_layout's s8h); Q5_1
+    and Q5_K: (d, q, m, sub) for s8hm, weight = (d * s) * q + m."""
     kind, size, values = SERVED[ggml_type]
     blocks = np.ascontiguousarray(raw).reshape(n, k // values, size)
     d = _half(blocks, 0)
@@ -124,6 +129,22 @@ def parse_blocks(ggml_type: str, raw: np.ndarray, n: int, k: int
         q = (low.reshape(n, supers, 8, 32) | high.reshape(n, supers, 8, 32) << 4) - 32
         sub = torch.from_numpy(blocks[:, :, 192:208].copy().view(np.int8)).to(torch.int16)
         return d, q.reshape(n, k), sub.reshape(n, k // 16)
+    if ggml_type == "Q5_1":  # d, m, 4 bytes of fifth bits (bit j: value j), 16 of nibbles
+        high = torch.from_numpy(blocks[:, :, 4:8].copy().view(np.uint32)[..., 0].astype(
+            np.int64))
+        fifth = (high.unsqueeze(-1) >> torch.arange(32)) & 1  # [N, G, 32]
+        q = _nibbles(blocks[:, :, 8:]) + 16 * fifth
+        return (d, q.to(torch.int16).reshape(n, k), _half(blocks, 2),
+                torch.ones(n, k // 16, dtype=torch.int16))
+    if ggml_type == "Q5_K":  # d, dmin, 12 scale bytes, 32 of fifth bits, 4 x 32 of nibbles
+        scale, minimum = _q4_k_scales(blocks[:, :, 4:16])  # [N, S, 8]
+        fifth = torch.from_numpy(blocks[:, :, 16:48].copy()).to(torch.int16).view(
+            n, -1, 1, 32) >> torch.arange(8, dtype=torch.int16).view(1, 1, 8, 1)
+        low = _nibbles(blocks[:, :, 48:].reshape(n, -1, 4, 32)).view(n, -1, 8, 32)
+        q = low | (fifth & 1) << 4  # [N, S, 8 sub blocks, 32]
+        m_sub = -(_half(blocks, 2).unsqueeze(-1) * minimum).reshape(n, -1)  # [N, G]
+        return (d.repeat_interleave(values // 32, dim=1), q.reshape(n, k), m_sub,
+                scale.repeat_interleave(2, dim=-1).reshape(n, k // 16))
     if ggml_type == "Q4_K":  # d, dmin, 12 scale bytes, 4 x 32 bytes: sub blocks 2p, 2p + 1
         scale, minimum = _q4_k_scales(blocks[:, :, 4:16])  # [N, S, 8]
         d_sub = (d.unsqueeze(-1) * scale).reshape(n, -1)  # [N, G]: exact in fp32
@@ -134,6 +155,18 @@ def parse_blocks(ggml_type: str, raw: np.ndarray, n: int, k: int
     if ggml_type == "Q4_1":
         return d, q, _half(blocks, 2)
     return d, q, -8 * d  # Q4_0: d * (q - 8)
+
+
+def pack_parsed(ggml_type: str, parsed: tuple) -> torch.Tensor:
+    """parse_blocks' answer for a type -> its packed panels in the type's kind (SERVED)."""
+    kind = SERVED[ggml_type][0]
+    if kind == "s8h":
+        d, q, sub = parsed
+        return quant_layout.pack(kind, d, q, sub=sub)
+    if kind == "s8hm":
+        d, q, m, sub = parsed
+        return quant_layout.pack(kind, d, q, m, sub=sub)
+    return quant_layout.pack(kind, *parsed)
 
 
 def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -178,21 +211,18 @@ def read_quantized(path: str | Path, num_heads: int, num_kv_heads: int, strict: 
             skipped[tensor.name] = type_name
             continue
         k, n = (int(s) for s in tensor.shape)  # GGUF lists the row length first
-        d, q, m = parse_blocks(type_name, tensor.data, n, k)
+        parsed = parse_blocks(type_name, tensor.data, n, k)
         heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
         if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
-            d, q = unpermute_rows(d, heads), unpermute_rows(q, heads)
-            m = None if m is None else unpermute_rows(m, heads)
+            parsed = tuple(None if t is None else unpermute_rows(t, heads) for t in parsed)
         kind = SERVED[type_name][0]
-        packed = (quant_layout.pack(kind, d, q, sub=m) if kind == "s8h"
-                  else quant_layout.pack(kind, d, q, m))
-        out[name] = QuantTensor(type_name, kind, packed, (n, k))
+        out[name] = QuantTensor(type_name, kind, pack_parsed(type_name, parsed), (n, k))
     return Served(out, skipped)
 
 
 # safetensors inside, not named *.safetensors: the loader reads every such file of the folder
 PACKED = "gguf-blocks.packed"
-PACKED_VERSION = "3"  # raise when quant_layout's bytes or parse_blocks' output change
+PACKED_VERSION = "4"  # raise when quant_layout's bytes or parse_blocks' output change
 
 
 def _file_key(path: Path) -> str:
@@ -238,12 +268,14 @@ def read_quantized_cached(path: str | Path, num_heads: int, num_kv_heads: int,
 
 
 def fuse_rows(parts: list[QuantTensor]) -> torch.Tensor | None:
-    """Packed weights stacked by rows (q, k, v into qkv; gate, up), or None where they differ
-    in kind or a part's rows are not whole panels (their packing would need a repack)."""
-    if len({p.kind for p in parts}) != 1:
-        return None
+    """Packed weights stacked by rows (q, k, v into qkv; gate, up), each part repacked into
+    s8hm where they differ in kind (exact: every kind's codes and scales fit it), or None
+    where a part's rows are not whole panels (their packing would need a repack)."""
     if any(p.shape[0] % quant_layout.COLS for p in parts[:-1]):
         return None
+    if len({p.kind for p in parts}) != 1:
+        return torch.cat([quant_layout.repack(p.packed, p.shape[0], "s8hm") for p in parts],
+                         dim=0)
     return torch.cat([p.packed for p in parts], dim=0)
 
 

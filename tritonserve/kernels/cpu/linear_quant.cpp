@@ -1,8 +1,8 @@
 // Weight-only quantized linear layer for the CPU (fp32 or bf16 activations):
 //   packed_linear_quant(x [M, K] fp32 or bf16, weight uint8 [ceil(N / 16), K / 32, record
 //     bytes], N, bias?) -> x @ dequantized(weight)^T (+ bias)  [M, N] in x's dtype
-// The records are panels_quant.h's (u4: GGUF Q4_1 / Q4_0, int4; s8: Q8_0, int8; s8h: Q6_K),
-// packed by kernels/quant_layout.py; the weights stay packed in memory and are widened in registers.
+// The records are panels_quant.h's (u4: GGUF Q4_1 / Q4_0, int4; s8: Q8_0, int8; s8h: Q6_K;
+// s8hm: Q5_1, Q5_K and mixed parts), packed by kernels/quant_layout.py; the weights stay packed in memory and are widened in registers.
 // Why: a decode step reads every weight once, so its time is the bytes read (SmolLM2 in bf16:
 // ~270 MB a token; as the GGUF file's Q4_1 / Q8_0 blocks: ~96 MB).
 #include <torch/extension.h>
@@ -99,7 +99,7 @@ torch::Tensor packed_linear_quant(const torch::Tensor& x, const torch::Tensor& w
   TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == torch::kUInt8 &&
                   weight.is_contiguous() && kind_of(weight.size(2), kind),
               "packed_linear_quant: weight must be uint8 [P, K / 32, ", kU4Bytes, ", ",
-              kS8Bytes, " or ", kS8HBytes, "] (kernels/quant_layout.py)");
+              kS8Bytes, ", ", kS8HBytes, " or ", kS8HMBytes, "] (kernels/quant_layout.py)");
   const int64_t K = x.size(1), G = weight.size(1), P = weight.size(0);
   TORCH_CHECK(K == G * kGroup, "packed_linear_quant: x has K = ", K, ", the weight ", G * kGroup);
   TORCH_CHECK(N > (P - 1) * kCols && N <= P * kCols,

@@ -13,6 +13,9 @@
 //   s8h (576 B): d fp16 [16], s int8 [2][16], int8 [32 k][16 columns]; weight =
 //       (d[c] * s[k / 16][c]) * q (GGUF Q6_K: a scale every 16 k under the super block's d);
 //       each half group's sums stay apart until its scale d * s (exact in fp32)
+//   s8hm (608 B): d fp16 [16], m fp16 [16], s int8 [2][16], int8 [32 k][16 columns]; weight =
+//       (d[c] * s[k / 16][c]) * q + m[c]: every other kind in one (GGUF Q5_1, Q5_K; a fused
+//       projection whose parts came in different kinds, kernels/quant_layout.py's repack)
 // Same bytes a weight as the GGUF blocks (Q4_1: 20 B / 32, Q8_0: 34 B / 32), reordered so one
 // load is 4 k pairs (u4, 64 B) or a k (s8, 16 B) of all 16 columns: the lanes are columns, as
 // in panels_fp32.h, with no horizontal sums. A group's sums stay apart until its scale:
@@ -39,6 +42,7 @@ constexpr int64_t kGroup = 32;  // k a scale group
 constexpr int64_t kU4Bytes = 64 + 256;
 constexpr int64_t kS8Bytes = 32 + 512;
 constexpr int64_t kS8HBytes = 64 + 512;
+constexpr int64_t kS8HMBytes = 96 + 512;
 constexpr int kRows = 8;  // rows a register tile: 8 group sums + 8 totals
 // Records ahead the fp32 tile asks for into L1 (prefetcht0): the hardware prefetcher alone
 // left the widening and the weight stream apart. The bf16 tile asks into L2 instead
@@ -52,20 +56,26 @@ constexpr int64_t kFp32Ahead = 8;
 // (2 threads, Zen 4) 2.09 -> 1.85 ms a pass, 31.7 -> 36 GB/s.
 constexpr int kSplit = 4;
 
-enum class Kind { kU4, kS8, kS8H };
+enum class Kind { kU4, kS8, kS8H, kS8HM };
 
 constexpr int64_t record_bytes(Kind kind) {
-  return kind == Kind::kU4 ? kU4Bytes : kind == Kind::kS8 ? kS8Bytes : kS8HBytes;
+  return kind == Kind::kU4 ? kU4Bytes : kind == Kind::kS8 ? kS8Bytes
+                                      : kind == Kind::kS8H ? kS8HBytes : kS8HMBytes;
 }
-// where an s8 kind's codes start in its record, and its scale groups a record
-constexpr int64_t codes_at(Kind kind) { return kind == Kind::kS8H ? 64 : 32; }
-constexpr int halves(Kind kind) { return kind == Kind::kS8H ? 2 : 1; }
+// where an s8 kind's codes start in its record; its scale groups a record (the int8 scales
+// s sit in the 32 bytes before the codes); whether it has an offset m (at byte 32)
+constexpr int64_t codes_at(Kind kind) {
+  return kind == Kind::kS8H ? 64 : kind == Kind::kS8HM ? 96 : 32;
+}
+constexpr int halves(Kind kind) { return kind == Kind::kS8H || kind == Kind::kS8HM ? 2 : 1; }
+constexpr bool has_offset(Kind kind) { return kind == Kind::kU4 || kind == Kind::kS8HM; }
 
 // The kind of a record size, false for none
 inline bool kind_of(int64_t bytes, Kind& kind) {
   if (bytes == kU4Bytes) return kind = Kind::kU4, true;
   if (bytes == kS8Bytes) return kind = Kind::kS8, true;
   if (bytes == kS8HBytes) return kind = Kind::kS8H, true;
+  if (bytes == kS8HMBytes) return kind = Kind::kS8HM, true;
   return false;
 }
 
@@ -147,11 +157,17 @@ inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const 
         if constexpr (R <= kSplit)
           for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], acc1[r]);
         __m512 dh = d;
-        if constexpr (kind == Kind::kS8H)
+        if constexpr (H == 2)
           dh = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-                                        rec + 32 + 16 * h)))));
+                                        codes - 32 + 16 * h)))));
         for (int r = 0; r < R; ++r) tot[r] = _mm512_fmadd_ps(dh, acc[r], tot[r]);
+      }
+      if constexpr (has_offset(kind)) {
+        const __m512 m =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
+        for (int r = 0; r < R; ++r)
+          tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), tot[r]);
       }
     }
   }
@@ -205,11 +221,16 @@ inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const 
         }
         for (int c = 0; c < kCols; ++c) {
           float d = half(rec, c);
-          if constexpr (kind == Kind::kS8H)
-            d *= static_cast<float>(static_cast<int8_t>(rec[32 + 16 * h + c]));
+          if constexpr (H == 2)
+            d *= static_cast<float>(static_cast<int8_t>(rec[codes_at(kind) - 32 + 16 * h + c]));
           for (int r = 0; r < R; ++r) tot[r][c] += d * acc[r][c];
         }
       }
+      if constexpr (has_offset(kind))
+        for (int c = 0; c < kCols; ++c) {
+          const float m = half(rec + 32, c);
+          for (int r = 0; r < R; ++r) tot[r][c] += m * xs[r * G + g];
+        }
     }
   }
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, tot[r], ncols * sizeof(float));
@@ -242,8 +263,10 @@ inline void panel_product(Kind kind, const float* x, int64_t M, int64_t K, const
     rows_product<Kind::kU4>(x, K, M, xs, G, panel, y, ldy, ncols);
   else if (kind == Kind::kS8)
     rows_product<Kind::kS8>(x, K, M, xs, G, panel, y, ldy, ncols);
-  else
+  else if (kind == Kind::kS8H)
     rows_product<Kind::kS8H>(x, K, M, xs, G, panel, y, ldy, ncols);
+  else
+    rows_product<Kind::kS8HM>(x, K, M, xs, G, panel, y, ldy, ncols);
 }
 
 }  // namespace tritonserve_panels_quant

@@ -4,7 +4,6 @@
 // and use panels_quant.h's tile instead.
 #pragma once
 
-#include <tuple>
 #include <utility>
 
 #include "panels_quant.h"
@@ -22,7 +21,9 @@ namespace tritonserve_panels_quant {
 // 2.9-3.0); 4-8 KB left the head at 1.3-1.5 ms, 16-48 KB the same or slower; prefetchnta like
 // prefetcht0 (docs/perf-log/2026-12-04-quantized-weights.md, "prefetching into L2").
 constexpr int64_t kAheadBytes = 12 << 10;
-inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {
+// forced inline as the tiles' helpers below: called from an always_inline one, a plain inline
+// function's prefetches were dropped from the one-row path (GCC 12; no prefetcht2 left)
+__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* rec, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64)
     __builtin_prefetch(rec + kAheadBytes + line, 0, 1);
 }
@@ -56,8 +57,16 @@ inline void group_sums_bf16(const uint16_t* x, int64_t ldx, int64_t R, int64_t K
 // Pair j of a record as vdpbf16ps's operand: 16 lanes (columns) of two bf16, k 2j and 2j+1.
 // u4: bf16(128 + q[2j]) | bf16(128 + q[2j+1]) << 16 (0x4300 | q: exact); s8, s8h: bf16(q[2j])
 // | bf16(q[2j+1]) << 16, each exact
+// The tiles' helpers are forced inline, and each tile of R rows kept a function of its own
+// (TS_TILE): with four kinds' instances in one unit GCC inlined every tile into the switch
+// of rows_product_bf16, whose register allocation then spilled the totals (~1,000 zmm spills
+// a kind against ~200), and the 4- and 64-row tiles ran 2x slower (SmolLM2's 121 matmuls,
+// `tritonserve bench cpu-linear --dtype bfloat16`: 4.7 -> 9.2 ms at 4 rows, 54 -> 102 at 64).
+#define TS_TILE_INLINE __attribute__((always_inline)) inline
+#define TS_TILE __attribute__((noinline))
+
 template <Kind kind>
-inline __m512i pair_of(const uint8_t* rec, int j) {
+TS_TILE_INLINE __m512i pair_of(const uint8_t* rec, int j) {
   if constexpr (kind == Kind::kU4) {
     const __m512i u =
         _mm512_srli_epi32(_mm512_loadu_si512(rec + 64 + 64 * (j / 4)), 4 * (j % 4));
@@ -75,6 +84,10 @@ inline __m512i pair_of(const uint8_t* rec, int j) {
   }
 }
 
+// A group widened once into scratch (past one tile of rows): its 16 pairs, then
+// group_scales' three
+constexpr int64_t kWideWords = 16 + 3;
+
 template <Kind kind>
 inline void widen_group(const uint8_t* rec, __m512i* pairs) {
 #pragma GCC unroll 4
@@ -83,7 +96,7 @@ inline void widen_group(const uint8_t* rec, __m512i* pairs) {
 
 // acc += x's pair at p (broadcast) . the widened pair; under GCC the broadcast is the
 // instruction's memory operand (the intrinsic became a scalar load and a vpbroadcastd)
-inline void dp_row(__m512& acc, __m512i pair, const uint16_t* p) {
+TS_TILE_INLINE void dp_row(__m512& acc, __m512i pair, const uint16_t* p) {
 #if defined(__GNUC__) && !defined(__clang__)
   asm("vdpbf16ps %[x]%{1to16%}, %[w], %[acc]"
       : [acc] "+v"(acc)
@@ -95,24 +108,31 @@ inline void dp_row(__m512& acc, __m512i pair, const uint16_t* p) {
 #endif
 }
 
-// The group's scale d and offset (u4: m' = m - 128 d, undoing the 128 in the codes); s8h:
-// its two half groups' scales d * s[0] and d * s[1] (exact in fp32) in d and m
+// The group's scales and offset: s[0] the scale of its first half group (or the whole group),
+// s[1] of its second (s8h, s8hm: d * s[0], d * s[1], exact in fp32), s[2] its offset (u4: m' =
+// m - 128 d, undoing the 128 in the codes; s8hm: m; zero for the others)
+// (a struct, not std::array: a template argument drops __m512's attributes, and with them
+// the tiles ran 2x slower at 4 and 64 rows)
+struct GroupScales {
+  __m512 s[3];
+};
+
 template <Kind kind>
-inline void group_scales(const uint8_t* rec, __m512& d, __m512& m) {
-  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
-  m = _mm512_setzero_ps();
-  if constexpr (kind == Kind::kU4)
-    m = _mm512_fnmadd_ps(
-        _mm512_set1_ps(128.f), d,
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32))));
-  if constexpr (kind == Kind::kS8H) {
-    const auto sub = [rec](int h) {
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 16 * h))));
-    };
-    m = _mm512_mul_ps(d, sub(1));
-    d = _mm512_mul_ps(d, sub(0));
-  }
+TS_TILE_INLINE GroupScales group_scales(const uint8_t* rec) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+  GroupScales out;
+  __m512(&s)[3] = out.s;
+  s[0] = s[1] = d;
+  s[2] = _mm512_setzero_ps();
+  if constexpr (has_offset(kind))
+    s[2] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
+  if constexpr (kind == Kind::kU4) s[2] = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, s[2]);
+  if constexpr (halves(kind) == 2)
+    for (int h = 0; h < 2; ++h)
+      s[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                  reinterpret_cast<const __m128i*>(rec + codes_at(kind) - 32 +
+                                                                   16 * h)))));
+  return out;
 }
 
 // One group of R rows into tot: pair(j) gives the group's pair j (pair_of the record,
@@ -122,12 +142,13 @@ inline void group_scales(const uint8_t* rec, __m512& d, __m512& m) {
 // on chain j % C, summed ((0 + 1) + 2) + 3 at the group's end, scaled into tot: with C = 4
 // the order row_bf16 sums in.
 template <int R, int C, Kind kind, typename Pair, typename Scales>
-inline void group_rows(const uint16_t* xg, int64_t ldx, const float* xs, int64_t G, int64_t g,
-                       Pair pair, Scales scales, __m512 (&tot)[R]) {
-  // s8h: pairs 0-7 and 8-15 (k 0-15, 16-31) summed apart, each scaled by its half's d * s
+TS_TILE_INLINE void group_rows(const uint16_t* xg, int64_t ldx, const float* xs, int64_t G,
+                               int64_t g, Pair pair, Scales scales, __m512 (&tot)[R]) {
+  // s8h, s8hm: pairs 0-7 and 8-15 (k 0-15, 16-31) summed apart, each scaled by its half's
+  // d * s
   constexpr int H = halves(kind), span = 16 / H;
   __m512 acc[C][R];
-  __m512 scale[2];
+  GroupScales scale;
   for (int h = 0; h < H; ++h) {
     for (int c = 0; c < C; ++c)
       for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
@@ -138,14 +159,12 @@ inline void group_rows(const uint16_t* xg, int64_t ldx, const float* xs, int64_t
     }
     for (int c = 1; c < C; ++c)
       for (int r = 0; r < R; ++r) acc[0][r] = _mm512_add_ps(acc[0][r], acc[c][r]);
-    // d and m' (group_scales; s8h: the halves' scales), loaded after the first products
-    if (h == 0) std::tie(scale[0], scale[1]) = scales();
-    for (int r = 0; r < R; ++r) {
-      tot[r] = _mm512_fmadd_ps(scale[h], acc[0][r], tot[r]);
-      if constexpr (kind == Kind::kU4)
-        tot[r] = _mm512_fmadd_ps(scale[1], _mm512_set1_ps(xs[r * G + g]), tot[r]);
-    }
+    if (h == 0) scale = scales();  // group_scales' three, loaded after the first products
+    for (int r = 0; r < R; ++r) tot[r] = _mm512_fmadd_ps(scale.s[h], acc[0][r], tot[r]);
   }
+  if constexpr (has_offset(kind))
+    for (int r = 0; r < R; ++r)
+      tot[r] = _mm512_fmadd_ps(scale.s[2], _mm512_set1_ps(xs[r * G + g]), tot[r]);
 }
 
 // R rows against a panel: widened inline into the products (Inline: at most one
@@ -156,7 +175,7 @@ inline void group_rows(const uint16_t* xg, int64_t ldx, const float* xs, int64_t
 // call: a speculating step's K + 1 rows give the tokens one row would
 // (engine/speculative.py; without it SmolLM2's bf16 greedy output moved after a near tie).
 template <int R, Kind kind, bool Inline>
-inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G,
+TS_TILE void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G,
                       const uint8_t* w, const __m512i* wide, uint16_t* y, int64_t ldy,
                       int64_t ncols, const float* bias) {
   constexpr int64_t bytes = record_bytes(kind);
@@ -172,19 +191,17 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G
       const uint8_t* rec = w + g * bytes;
       prefetch_ahead(rec, bytes);
       group_rows<R, C, kind>(
-          xg, ldx, xs, G, g, [rec](int j) { return pair_of<kind>(rec, j); },
-          [rec] {
-            __m512 d, m;
-            group_scales<kind>(rec, d, m);
-            return std::pair{d, m};
-          },
+          xg, ldx, xs, G, g,
+          [rec](int j) __attribute__((always_inline)) { return pair_of<kind>(rec, j); },
+          [rec]() __attribute__((always_inline)) { return group_scales<kind>(rec); },
           into);
     } else {
-      const __m512i* pairs = wide + g * 18;
+      const __m512i* pairs = wide + g * kWideWords;
       group_rows<R, C, kind>(
-          xg, ldx, xs, G, g, [pairs](int j) { return pairs[j]; },
-          [pairs] {
-            return std::pair{_mm512_castsi512_ps(pairs[16]), _mm512_castsi512_ps(pairs[17])};
+          xg, ldx, xs, G, g, [pairs](int j) __attribute__((always_inline)) { return pairs[j]; },
+          [pairs]() __attribute__((always_inline)) {
+            return GroupScales{{_mm512_castsi512_ps(pairs[16]), _mm512_castsi512_ps(pairs[17]),
+                           _mm512_castsi512_ps(pairs[18])}};
           },
           into);
     }
@@ -202,14 +219,14 @@ inline void tile_bf16(const uint16_t* x, int64_t ldx, const float* xs, int64_t G
 // four chains of vdpbf16ps (pair j on chain j % 4), summed ((0 + 1) + 2) + 3, scaled into
 // tot[n]
 template <Kind kind, int N>
-inline void row_groups(const uint16_t* x, const float* xs, const uint8_t* w, int64_t g,
-                       __m512 (&tot)[2]) {
+TS_TILE_INLINE void row_groups(const uint16_t* x, const float* xs, const uint8_t* w,
+                               int64_t g, __m512 (&tot)[2]) {
   constexpr int64_t bytes = record_bytes(kind);
   constexpr int H = halves(kind), span = 16 / H;  // s8h: each half group apart (group_rows)
   const uint8_t* rec = w + g * bytes;
   prefetch_ahead(rec, N * bytes);
   __m512 acc[N][4];
-  __m512 scale[N][2];
+  GroupScales scale[N];
   for (int h = 0; h < H; ++h) {
     for (int n = 0; n < N; ++n)
       for (int c = 0; c < 4; ++c) acc[n][c] = _mm512_setzero_ps();
@@ -221,12 +238,13 @@ inline void row_groups(const uint16_t* x, const float* xs, const uint8_t* w, int
     for (int n = 0; n < N; ++n) {
       const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[n][0], acc[n][1]),
                                                      acc[n][2]), acc[n][3]);
-      if (h == 0) group_scales<kind>(rec + n * bytes, scale[n][0], scale[n][1]);
-      tot[n] = _mm512_fmadd_ps(scale[n][h], sum, tot[n]);
-      if constexpr (kind == Kind::kU4)
-        tot[n] = _mm512_fmadd_ps(scale[n][1], _mm512_set1_ps(xs[g + n]), tot[n]);
+      if (h == 0) scale[n] = group_scales<kind>(rec + n * bytes);
+      tot[n] = _mm512_fmadd_ps(scale[n].s[h], sum, tot[n]);
     }
   }
+  if constexpr (has_offset(kind))
+    for (int n = 0; n < N; ++n)
+      tot[n] = _mm512_fmadd_ps(scale[n].s[2], _mm512_set1_ps(xs[g + n]), tot[n]);
 }
 
 // One row against a panel, two groups a step (even groups into tot[0], odd into tot[1],
@@ -234,7 +252,7 @@ inline void row_groups(const uint16_t* x, const float* xs, const uint8_t* w, int
 // SmolLM2's 120 Q4_1 layer matmuls on huge pages (2 threads, Zen 4) 1.21-1.36 ms a pass
 // against tile_bf16<1>'s 1.88-2.13 (47-55 against 31-35 GB/s).
 template <Kind kind>
-inline void row_bf16(const uint16_t* x, const float* xs, int64_t G, const uint8_t* w,
+TS_TILE void row_bf16(const uint16_t* x, const float* xs, int64_t G, const uint8_t* w,
                      uint16_t* y, int64_t ncols, const float* bias) {
   __m512 tot[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   int64_t g = 0;
@@ -255,10 +273,10 @@ inline void rows_product_bf16(const uint16_t* x, int64_t ldx, int64_t M, const f
   const bool once = M <= kRows;
   if (!once)
     for (int64_t g = 0; g < G; ++g) {
-      widen_group<kind>(w + g * bytes, wide + g * 18);
-      __m512 d, m;
-      group_scales<kind>(w + g * bytes, d, m);
-      wide[g * 18 + 16] = _mm512_castps_si512(d), wide[g * 18 + 17] = _mm512_castps_si512(m);
+      __m512i* into = wide + g * kWideWords;
+      widen_group<kind>(w + g * bytes, into);
+      const auto s = group_scales<kind>(w + g * bytes);
+      for (int i = 0; i < 3; ++i) into[16 + i] = _mm512_castps_si512(s.s[i]);
     }
   for (int64_t m0 = 0; m0 < M; m0 += kRows) {
     const uint16_t* xm = x + m0 * ldx;
@@ -278,7 +296,7 @@ inline void rows_product_bf16(const uint16_t* x, int64_t ldx, int64_t M, const f
 }
 
 // __m512i words of scratch a panel of K needs (panel_product_bf16's `wide`)
-inline int64_t wide_words(int64_t K) { return K / kGroup * 18; }
+inline int64_t wide_words(int64_t K) { return K / kGroup * kWideWords; }
 
 // bf16 rows [0, M) of x against one panel, y bf16; xs: group_sums_bf16 of the same rows;
 // wide: wide_words(K) of 64-byte aligned scratch (used past one tile of rows); bias: the
@@ -291,8 +309,10 @@ inline void panel_product_bf16(Kind kind, const uint16_t* x, int64_t M, int64_t 
     rows_product_bf16<Kind::kU4>(x, K, M, xs, G, panel, y, ldy, ncols, wide, bias);
   else if (kind == Kind::kS8)
     rows_product_bf16<Kind::kS8>(x, K, M, xs, G, panel, y, ldy, ncols, wide, bias);
-  else
+  else if (kind == Kind::kS8H)
     rows_product_bf16<Kind::kS8H>(x, K, M, xs, G, panel, y, ldy, ncols, wide, bias);
+  else
+    rows_product_bf16<Kind::kS8HM>(x, K, M, xs, G, panel, y, ldy, ncols, wide, bias);
 }
 
 #endif

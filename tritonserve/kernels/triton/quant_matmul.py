@@ -1,7 +1,7 @@
 """w4a16 / w8a16: x [M, K] (bf16, fp16 or fp32) @ a weight-only quantized weight^T, the weight
 read in the packed layout the CPU kernels read (kernels/quant_layout.py: panels of 16 output
 columns, records of 32 k with fp16 scale d and offset m; u4 codes d * q + m, s8 codes d * q,
-s8h codes (d * s) * q with an int8 s a half group),
+s8h codes (d * s) * q with an int8 s a half group, s8hm (d * s) * q + m),
 so a GGUF file's blocks, a compressed-tensors checkpoint or int4 / int8 quantized at load
 reach the GPU as the same bytes. Each program owns BLOCK_M rows x BLOCK_N columns and walks K
 a group of 32 at a time: the group's codes widened in registers, scaled by its d (and m), one
@@ -9,7 +9,8 @@ tl.dot on the tensor cores in the input dtype (fp32 accumulation). The contract 
 quant_layout.linear's (the dequantized reference).
 
 The layout was made for AVX-512 lanes, not for coalescing: a warp's 32 lanes read 16 columns'
-words of one k block (64 contiguous bytes) per load, a panel's record being 320 (544, 576) bytes.
+words of one k block (64 contiguous bytes) per load, a panel's record being 320 (544, 576,
+608) bytes.
 bench/gpu_check.sh reports the share of HBM bandwidth at batch 1 and of the bf16 tensor-core
 rate at batch 64 (not yet run on a GPU).
 """
@@ -39,8 +40,9 @@ def _quant_matmul_kernel(x_ptr, w8_ptr, w16_ptr, w32_ptr, bias_ptr, out_ptr, M, 
     col = offs_n % 16
     k = tl.arange(0, 32)
     groups = K // 32
-    # KIND 0: u4, 1: s8, 2: s8h (KINDS below)
-    record: tl.constexpr = 320 if KIND == 0 else 544 if KIND == 1 else 576
+    # KIND 0: u4, 1: s8, 2: s8h, 3: s8hm (KINDS below)
+    record: tl.constexpr = 320 if KIND == 0 else 544 if KIND == 1 else 576 if KIND == 2 else 608
+    codes_at: tl.constexpr = 32 if KIND == 1 else 64 if KIND == 2 else 96
     # u4: k = 8 b + 2 i + h sits in block b's word of the column at bits 4 (i + 4 h)
     word_at = 16 * (k // 8)
     shift = 4 * ((k % 8) // 2 + 4 * (k % 2))
@@ -60,12 +62,16 @@ def _quant_matmul_kernel(x_ptr, w8_ptr, w16_ptr, w32_ptr, bias_ptr, out_ptr, M, 
             q = tl.load(w8_ptr + (base + 32 + col)[None, :] + 16 * k[:, None],
                         mask=n_mask[None, :], other=0).to(tl.float32)
             w = q * d[None, :]
-        else:  # s[h][c] at byte 32 + 16 h + c, h = k // 16
-            s = tl.load(w8_ptr + (base + 32 + col)[None, :] + 16 * (k // 16)[:, None],
+        else:  # s[h][c] 32 + 16 h + c bytes before the codes, h = k // 16
+            s = tl.load(w8_ptr + (base + codes_at - 32 + col)[None, :] + 16 * (k // 16)[:, None],
                         mask=n_mask[None, :], other=0).to(tl.float32)
-            q = tl.load(w8_ptr + (base + 64 + col)[None, :] + 16 * k[:, None],
+            q = tl.load(w8_ptr + (base + codes_at + col)[None, :] + 16 * k[:, None],
                         mask=n_mask[None, :], other=0).to(tl.float32)
             w = (d[None, :] * s) * q
+            if KIND == 3:
+                m = tl.load(w16_ptr + base // 2 + 16 + col, mask=n_mask,
+                            other=0.0).to(tl.float32)
+                w = w + m[None, :]
         if FP32:
             acc += tl.dot(x.to(tl.float32), w, input_precision=PRECISION)
         else:
@@ -76,7 +82,7 @@ def _quant_matmul_kernel(x_ptr, w8_ptr, w16_ptr, w32_ptr, bias_ptr, out_ptr, M, 
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-KINDS = {"u4": 0, "s8": 1, "s8h": 2}
+KINDS = {"u4": 0, "s8": 1, "s8h": 2, "s8hm": 3}
 
 
 def block_shape(rows: int) -> tuple[int, int]:
@@ -87,7 +93,7 @@ def block_shape(rows: int) -> tuple[int, int]:
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, n: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ the packed weight (uint8 [ceil(N / 16), K / 32, 320 | 544 | 576])^T (+ bias [N])
+    """x [M, K] @ the packed weight (uint8 [ceil(N / 16), K / 32, record])^T (+ bias [N])
     -> [M, N] in x's dtype."""
     kind = quant_layout.kind_of(weight)
     if kind is None:
