@@ -61,7 +61,7 @@ def test_pack_and_unpack_are_inverse_and_dequantize_is_d_q_plus_m(kind):
                 + offset.repeat_interleave(width, dim=1))
     assert torch.equal(quant_layout.dequantize(packed, n), expected)
     # every kind goes into s8hm as it is (a fused projection's parts in different kinds)
-    assert torch.equal(quant_layout.dequantize(quant_layout.repack(packed, n, "s8hm"), n),
+    assert torch.equal(quant_layout.dequantize(quant_layout.as_s8hm(packed, n), n),
                        expected)
     # the reference runs where the weight lies (the CUDA engine's reference path; an H200
     # run found it building its shifts on the CPU): on "meta" any CPU operand would raise

@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
         forms["q6 (s8h: GGUF Q6_K)"] = [quant_layout.quantize(w, "s8h") for w in weights]
         # int4 codes repacked as they are: the bytes of a Q5_1 / Q5_K file or of mixed parts
         forms["q5 (s8hm: GGUF Q5_1, Q5_K)"] = [
-            quant_layout.repack(quant_layout.quantize(w, "u4"), w.shape[0], "s8hm")
+            quant_layout.as_s8hm(quant_layout.quantize(w, "u4"), w.shape[0])
             for w in weights]
     read = read_gbps()
     print(f"weights {nbytes / 1e6:.0f} MB {args.dtype}; read bandwidth (this run) {read:.1f} GB/s, so "

@@ -11,7 +11,7 @@ kernels/cpu/panels_quant.h reads it (the C++ matmul) and states the bytes:
   less 32; the product d * s is exact in fp32, as gguf's dequantizer forms it)
 - s8hm: weight[n, k] = (d[n, g] * s[n, k // 16]) * q[n, k] + m[n, g]: every other kind in one
   (GGUF Q5_1 and Q5_K, whose 5-bit codes need a byte and an offset; a fused projection whose
-  parts came in different kinds, each part's codes and scales as they were: `repack`)
+  parts came in different kinds, each part's codes and scales as they were: `as_s8hm`)
 
 d and m are fp16, as in the GGUF blocks, so a block is the same bytes here as in the file.
 Panels of 16 output rows, records of 32 k: uint8 [ceil(N / 16), K / 32, 320 (u4), 544 (s8),
@@ -138,14 +138,11 @@ def unpack(weight: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, to
     return d, q, m
 
 
-def repack(weight: torch.Tensor, n: int, kind: str) -> torch.Tensor:
-    """A packed weight in another kind that holds it exactly (any kind into s8hm: a fused
-    projection whose parts came in different kinds); the codes and fp16 scales as they
-    were."""
+def as_s8hm(weight: torch.Tensor, n: int) -> torch.Tensor:
+    """A packed weight of any kind as s8hm, which holds every kind exactly: its codes and fp16
+    scales as they were (a fused projection whose parts came in different kinds)."""
     d, q, m, sub = factors(weight, n)
-    if kind != "s8hm":
-        raise ValueError(f"repack: only into s8hm, which holds every kind; got {kind!r}")
-    return pack(kind, d, q, m, sub=sub)
+    return pack("s8hm", d, q, m, sub=sub)
 
 
 def dequantize(weight: torch.Tensor, n: int) -> torch.Tensor:

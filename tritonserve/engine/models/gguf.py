@@ -274,7 +274,7 @@ def fuse_rows(parts: list[QuantTensor]) -> torch.Tensor | None:
     if any(p.shape[0] % quant_layout.COLS for p in parts[:-1]):
         return None
     if len({p.kind for p in parts}) != 1:
-        return torch.cat([quant_layout.repack(p.packed, p.shape[0], "s8hm") for p in parts],
+        return torch.cat([quant_layout.as_s8hm(p.packed, p.shape[0]) for p in parts],
                          dim=0)
     return torch.cat([p.packed for p in parts], dim=0)
 

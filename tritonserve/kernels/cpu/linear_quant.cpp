@@ -2,7 +2,8 @@
 //   packed_linear_quant(x [M, K] fp32 or bf16, weight uint8 [ceil(N / 16), K / 32, record
 //     bytes], N, bias?) -> x @ dequantized(weight)^T (+ bias)  [M, N] in x's dtype
 // The records are panels_quant.h's (u4: GGUF Q4_1 / Q4_0, int4; s8: Q8_0, int8; s8h: Q6_K;
-// s8hm: Q5_1, Q5_K and mixed parts), packed by kernels/quant_layout.py; the weights stay packed in memory and are widened in registers.
+// s8hm: Q5_1, Q5_K and mixed parts), packed by kernels/quant_layout.py; the weights stay
+// packed in memory and are widened in registers.
 // Why: a decode step reads every weight once, so its time is the bytes read (SmolLM2 in bf16:
 // ~270 MB a token; as the GGUF file's Q4_1 / Q8_0 blocks: ~96 MB).
 #include <torch/extension.h>
