@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "isa.h"
 
@@ -69,6 +70,17 @@ constexpr int64_t codes_at(Kind kind) {
 }
 constexpr int halves(Kind kind) { return kind == Kind::kS8H || kind == Kind::kS8HM ? 2 : 1; }
 constexpr bool has_offset(Kind kind) { return kind == Kind::kU4 || kind == Kind::kS8HM; }
+
+// f(std::integral_constant<Kind, kind>{}): the one place a run-time kind picks its instance
+template <typename F>
+inline void with_kind(Kind kind, F&& f) {
+  switch (kind) {
+    case Kind::kU4: return f(std::integral_constant<Kind, Kind::kU4>{});
+    case Kind::kS8: return f(std::integral_constant<Kind, Kind::kS8>{});
+    case Kind::kS8H: return f(std::integral_constant<Kind, Kind::kS8H>{});
+    case Kind::kS8HM: return f(std::integral_constant<Kind, Kind::kS8HM>{});
+  }
+}
 
 // The kind of a record size, false for none
 inline bool kind_of(int64_t bytes, Kind& kind) {
@@ -136,7 +148,7 @@ inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const 
         tot[r] = _mm512_fmadd_ps(d, acc[r], tot[r]);
         tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), tot[r]);
       }
-    } else {  // s8, s8h: each scale group's k (all 32, or 16 a half) summed, then scaled
+    } else {  // s8 kinds: each scale group's k (all 32, or 16 a half) summed, then scaled
       constexpr int H = halves(kind), span = 32 / H;
       const uint8_t* codes = rec + codes_at(kind);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
@@ -258,15 +270,9 @@ inline void rows_product(const float* x, int64_t ldx, int64_t M, const float* xs
 // (y row stride ldy; ncols < 16 only in the last panel); xs: group_sums of the same rows.
 inline void panel_product(Kind kind, const float* x, int64_t M, int64_t K, const float* xs,
                           const uint8_t* panel, float* y, int64_t ldy, int64_t ncols) {
-  const int64_t G = K / kGroup;
-  if (kind == Kind::kU4)
-    rows_product<Kind::kU4>(x, K, M, xs, G, panel, y, ldy, ncols);
-  else if (kind == Kind::kS8)
-    rows_product<Kind::kS8>(x, K, M, xs, G, panel, y, ldy, ncols);
-  else if (kind == Kind::kS8H)
-    rows_product<Kind::kS8H>(x, K, M, xs, G, panel, y, ldy, ncols);
-  else
-    rows_product<Kind::kS8HM>(x, K, M, xs, G, panel, y, ldy, ncols);
+  with_kind(kind, [&](auto k) {
+    rows_product<decltype(k)::value>(x, K, M, xs, K / kGroup, panel, y, ldy, ncols);
+  });
 }
 
 }  // namespace tritonserve_panels_quant

@@ -304,15 +304,10 @@ inline int64_t wide_words(int64_t K) { return K / kGroup * kWideWords; }
 inline void panel_product_bf16(Kind kind, const uint16_t* x, int64_t M, int64_t K,
                                const float* xs, const uint8_t* panel, uint16_t* y, int64_t ldy,
                                int64_t ncols, __m512i* wide, const float* bias) {
-  const int64_t G = K / kGroup;
-  if (kind == Kind::kU4)
-    rows_product_bf16<Kind::kU4>(x, K, M, xs, G, panel, y, ldy, ncols, wide, bias);
-  else if (kind == Kind::kS8)
-    rows_product_bf16<Kind::kS8>(x, K, M, xs, G, panel, y, ldy, ncols, wide, bias);
-  else if (kind == Kind::kS8H)
-    rows_product_bf16<Kind::kS8H>(x, K, M, xs, G, panel, y, ldy, ncols, wide, bias);
-  else
-    rows_product_bf16<Kind::kS8HM>(x, K, M, xs, G, panel, y, ldy, ncols, wide, bias);
+  with_kind(kind, [&](auto k) {
+    rows_product_bf16<decltype(k)::value>(x, K, M, xs, K / kGroup, panel, y, ldy, ncols, wide,
+                                          bias);
+  });
 }
 
 #endif
