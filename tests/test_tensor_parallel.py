@@ -162,7 +162,8 @@ def test_torchrun_ranks_on_loopback(tp_model):
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             ranks[next(e for e in env if e.startswith(b"RANK="))] = int(pid)
         os.kill(ranks[b"RANK=0"], signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        code = proc.wait(timeout=60)
+        assert code == 0, proc.stdout.read()[-4000:]  # torchrun names the rank that failed
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -31,7 +31,7 @@ from .config import EngineConfig
 from .default_model import gguf_source
 from .model_runner import ModelRunner
 from .models import ModelArch
-from .parallel import Shard, free_port, join, local_arch, pin_cores
+from .parallel import Shard, exit_process, free_port, join, local_arch, pin_cores
 from .resolve import resolved
 from .scheduler import SchedulerOutput
 from .shm_allreduce import ShmAllReduce
@@ -101,6 +101,7 @@ def _spawned(config, arch, folder, max_positions, gguf, shard, init_method) -> N
     pin_cores(shard.rank, shard.size)
     join(shard, config.device, init_method)
     worker_loop(config, arch, folder, max_positions, gguf, shard)
+    exit_process(0)
 
 
 class TensorParallelRunner:

@@ -14,6 +14,7 @@ from dataclasses import fields
 from aiohttp import web
 
 from tritonserve.engine import LLMEngine
+from tritonserve.engine.parallel import exit_process
 from tritonserve.engine.tp_runner import serve_rank
 from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, QUANTIZATIONS,
                                        CacheConfig, EngineConfig, SchedulerConfig,
@@ -201,12 +202,13 @@ STALL_EXIT_DELAY = 1.0  # seconds the streams' error events get to reach their c
 def main(argv: list[str] | None = None) -> int:
     """The engine steps on the main thread (see server/async_engine.py); the event loop runs
     in a second thread. SIGTERM / SIGINT start the drain. Exit status: 0 after a drain, 1 when
-    the engine died (every stream has its error event by then), 2 for a bad option."""
+    the engine died (every stream has its error event by then), 2 for a bad option. A
+    tensor-parallel rank (--tensor-parallel-size > 1) ends the process here (exit_process)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     if rank > 0 and args.tensor_parallel_size > 1:  # torchrun's other ranks: workers
-        return serve_rank(engine_config(args), rank)
+        exit_process(serve_rank(engine_config(args), rank))
     try:
         config = server_config(args)
         engine = build_engine(args)
@@ -249,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     http_thread.join(timeout=30)
     if failure:
         raise failure[0]
-    return 1 if async_engine.dead is not None else 0
+    code = 1 if async_engine.dead is not None else 0
+    if args.tensor_parallel_size > 1:  # a rank: see exit_process
+        exit_process(code)
+    return code
 
 
 if __name__ == "__main__":
