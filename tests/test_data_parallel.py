@@ -17,7 +17,7 @@ import pytest
 from tritonserve.engine.kv_cache import KVCacheManager, prompt_digests
 from tritonserve.server.router import BALANCE_TOKENS, NoEngineError, Router
 from tests.test_kv_cache import make_request
-from tests.server_util import ServerThread, metric, request, sse_payloads
+from tests.server_util import ServerThread, metric, request, sse_payloads, stream_until
 from tests.test_server import validate_native
 
 BLOCK = 4
@@ -230,22 +230,14 @@ def test_a_killed_engine_ends_its_own_streams_and_leaves_rotation(tiny_model):
 def test_the_watchdog_takes_a_stuck_engine_out_and_the_other_serves_on(tiny_model):
     engine, srv = front(tiny_model, step_timeout=1.5)
     try:
-        stuck = {}
+        def stop_the_busy_one() -> None:  # a step that never ends, a few tokens in
+            busy = [i for i in (0, 1) if engine.router.engines[i].requests]
+            os.kill(engine._engines[busy[0]].pid, signal.SIGSTOP)
 
-        def client() -> None:
-            stuck["events"] = generate(srv, {"prompt": "a b c", "max_tokens": 400,
-                                             "ignore_eos": True})
-
-        thread = threading.Thread(target=client)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not (busy := [i for i in (0, 1) if engine.router.engines[i].requests]):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        time.sleep(0.2)  # a few steps streamed
-        os.kill(engine._engines[busy[0]].pid, signal.SIGSTOP)  # a step that never ends
-        thread.join(30)
-        assert stuck["events"][-1].type == "error" and stuck["events"][-1].code == "engine_dead"
+        events = validate_native(sse_payloads(stream_until(
+            srv.port, "/generate", {"prompt": "a b c", "max_tokens": 400, "ignore_eos": True},
+            3, stop_the_busy_one)))
+        assert events[-1].type == "error" and events[-1].code == "engine_dead"
         assert request(srv.port, "GET", "/health")[0] == 200
         assert generate(srv, {"prompt": "still here", "max_tokens": 3})[-1].type == "done"
     finally:

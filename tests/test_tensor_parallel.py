@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from tritonserve.engine import LLM, SamplingParams
 from tritonserve.engine.parallel import local_arch
 from tritonserve.engine.models import ModelArch
-from tests.server_util import ServerThread, request, sse_payloads
+from tests.server_util import ServerThread, request, sse_payloads, stream_until
 from tests.test_server import validate_native
 from tests.tiny_models import write_tiny_model
 
@@ -85,20 +84,16 @@ def tp_server(tp_model):
 @pytest.mark.slow
 def test_a_worker_killed_mid_stream_ends_the_stream_and_health(tp_server):
     engine, srv = tp_server
-    result = {}
+    killed = []
 
-    def stream():
-        result["raw"] = request(srv.port, "POST", "/generate", {
-            "prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True})[2]
+    def kill_the_worker() -> None:
+        killed.append(time.monotonic())
+        os.kill(engine.runner.workers[0].pid, signal.SIGKILL)
 
-    reader = threading.Thread(target=stream)
-    reader.start()
-    time.sleep(0.3)  # ~100 of the 500 tokens (a step ~3 ms here)
-    killed = time.monotonic()
-    os.kill(engine.runner.workers[0].pid, signal.SIGKILL)
-    reader.join(timeout=30)
-    assert not reader.is_alive() and time.monotonic() - killed < 10
-    events = validate_native(sse_payloads(result["raw"]))
+    raw = stream_until(srv.port, "/generate", {"prompt": "x", "max_tokens": 500,
+                                               "ignore_eos": True}, 3, kill_the_worker)
+    assert killed and time.monotonic() - killed[0] < 10
+    events = validate_native(sse_payloads(raw))
     assert any(e.type == "token" for e in events)  # it was streaming
     assert events[-1].type == "error" and events[-1].code == "engine_dead"
     status, _, raw = request(srv.port, "GET", "/health")
