@@ -27,7 +27,7 @@ RECORD_BYTES = {"u4": 64 + 256, "s8": 32 + 512, "s8h": 64 + 512, "s8hm": 96 + 51
 CODES_AT = {"s8": 32, "s8h": 64, "s8hm": 96}  # where an s8 kind's codes start in a record
 HALVED = ("s8h", "s8hm")  # the kinds with a scale a half group
 OFFSET = ("u4", "s8hm")  # the kinds with an offset m a group
-HALF = 16  # k a sub-block scale of s8h
+HALF = 16  # k a sub-block scale of the HALVED kinds
 _KINDS = {size: kind for kind, size in RECORD_BYTES.items()}  # kind_of runs once a matmul call
 
 
