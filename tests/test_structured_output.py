@@ -88,7 +88,7 @@ def test_json_object_grammar_takes_objects_only(tiny_model):
     grammars = LLM(tiny_model).engine.grammars
     for text, whole in (('{"a": [1, "x"], "b": {}}', True), ("[1, 2]", False), ('"s"', False),
                         ("3", False)):
-        matcher = grammars.matcher(StructuredOutput("json_object"))
+        matcher = grammars.matcher(grammars.compile_spec(StructuredOutput("json_object")))
         assert (matcher.accept_string(text) and matcher.is_completed()) == whole, text
 
 

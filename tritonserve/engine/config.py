@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .limits import RequestLimits
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -126,6 +128,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # engine/limits.py
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

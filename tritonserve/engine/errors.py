@@ -19,3 +19,9 @@ class EngineDeadError(RuntimeError):
     def __init__(self, message: str, steps: list | None = None) -> None:
         super().__init__(message)
         self.steps = steps or []
+
+
+class NoTokenAllowedError(RuntimeError):
+    """A request's own rules forbid every token of the vocabulary at this step (a grammar, a
+    min_tokens ban over its stop_token_ids): that request alone ends with an error, naming the
+    conflict; its neighbours go on. The sampler never draws a forbidden token instead."""

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dataclasses import fields
+
 from .config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from .limits import RequestLimits
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput, TokenOutput
 from .sampling_params import SamplingParams
@@ -16,6 +19,7 @@ _SPECULATIVE_KEYS = {"speculative_method": "method", "num_speculative_tokens":
                      "num_speculative_tokens", "ngram_min": "ngram_min",
                      "ngram_max": "ngram_max", "speculative_max_batch": "max_batch",
                      "speculative_min_acceptance": "min_acceptance"}
+_LIMIT_KEYS = {f.name for f in fields(RequestLimits)}
 
 
 def build_config(model: str | None = None, **options) -> EngineConfig:
@@ -24,11 +28,13 @@ def build_config(model: str | None = None, **options) -> EngineConfig:
     sched = {k: options.pop(k) for k in list(options) if k in _SCHEDULER_KEYS}
     spec = {_SPECULATIVE_KEYS[k]: options.pop(k) for k in list(options)
             if k in _SPECULATIVE_KEYS}
+    limits = {k: options.pop(k) for k in list(options) if k in _LIMIT_KEYS}
     if "num_blocks" in cache and cache["num_blocks"] is not None:
         cache.setdefault("cache_bytes", None)
     return EngineConfig(model=model, cache=CacheConfig(**cache),
                         scheduler=SchedulerConfig(**sched),
-                        speculative=SpeculativeConfig(**spec), **options)
+                        speculative=SpeculativeConfig(**spec),
+                        limits=RequestLimits(**limits), **options)
 
 
 class LLM:
@@ -52,9 +58,11 @@ class LLM:
                              f"({len(prompts)}), got {len(params)}")
         engine = self.engine
         prompt_ids = [engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
-        for token_ids, sp in zip(prompt_ids, params):  # all valid, or nothing is enqueued
-            engine.validate(token_ids, sp)
-        ids = [engine.add_request(token_ids, sp) for token_ids, sp in zip(prompt_ids, params)]
+        grammars = []  # all valid (grammars compiled), or nothing is enqueued
+        for token_ids, sp in zip(prompt_ids, params):
+            grammars.append(engine.checker.compile(engine.validate(token_ids, sp)))
+        ids = [engine.add_request(token_ids, sp, grammar=grammar)
+               for token_ids, sp, grammar in zip(prompt_ids, params, grammars)]
         position = {request_id: i for i, request_id in enumerate(ids)}
         tokens: dict[str, list[TokenOutput]] = {i: [] for i in ids}
         results: dict[str, RequestOutput] = {}

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from .config import EngineConfig
 from .default_model import gguf_source
 from .detokenizer import IncrementalDetokenizer, StopCheck, StopStringMatcher
-from .errors import EngineDeadError, InvalidRequestError
+from .errors import EngineDeadError, InvalidRequestError, NoTokenAllowedError
 from .kv_cache import KVCacheManager
 from .memory import (num_cache_blocks, profiled_cache_blocks, profiles_cache,
                      resolve_max_model_len)
@@ -74,7 +74,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.checker = RequestChecker(self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
-                                      self.max_model_len)
+                                      self.max_model_len, config.limits)
         self._requests: dict[str, Request] = {}
         self._pending_aborts: list[str] = []
         self._ids = itertools.count()
@@ -111,10 +111,12 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    prefill_after: str | None = None) -> str:
+                    prefill_after: str | None = None, grammar=None) -> str:
         """prefill_after: the id of a request with the same prompt (a sibling choice of n);
         this one is scheduled once that one's prompt is computed, and then finds the prompt's
-        full blocks in the prefix cache instead of computing them again."""
+        full blocks in the prefix cache instead of computing them again. grammar: the
+        request's structured output already compiled (a host compiles it off its loop:
+        server/grammar_jobs.py); None compiles it here."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenize(prompt)
@@ -124,6 +126,8 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        if grammar is None and params.structured is not None:
+            grammar = self.checker.compile(params)
         request = Request(
             request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
             arrival_time=arrival_time if arrival_time is not None else time.perf_counter(),
@@ -133,8 +137,7 @@ class LLMEngine:
                 token_ids[-PROMPT_DETOKENIZE_CONTEXT:]),
             stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
             prefill_after=self._requests.get(prefill_after) if prefill_after else None,
-            matcher=(self.grammars.matcher(params.structured)
-                     if params.structured is not None else None))
+            matcher=self.grammars.matcher(grammar) if grammar is not None else None)
         if params.structured_after and request.matcher is not None:
             request.held_matcher, request.matcher = request.matcher, None
         self._requests[request_id] = request
@@ -142,8 +145,11 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Queued; applied at the start of the next step, which reports it as `abort`."""
-        self._pending_aborts.append(request_id)
+        """Queued; applied at the start of the next step, which reports it as `abort`. An id
+        that is not running now is dropped at once: kept, it would end a later request that
+        reuses the id (a client retrying with its X-Request-Id)."""
+        if request_id in self._requests and request_id not in self._pending_aborts:
+            self._pending_aborts.append(request_id)
 
     def check_health(self) -> None:
         """Raises EngineDeadError when the engine cannot step any more while it idles (a
@@ -218,7 +224,10 @@ class LLMEngine:
                 if s.proposals and request.request_id in self._requests:
                     self.kv_cache.cache_full_blocks(request)  # the accepted tokens are in
             except Exception as exc:  # noqa: BLE001 - this request alone fails
-                log.exception("output processing failed for %s", request.request_id)
+                if isinstance(exc, NoTokenAllowedError):  # the request's own doing
+                    log.info("%s: %s", request.request_id, exc)
+                else:
+                    log.exception("output processing failed for %s", request.request_id)
                 if request.request_id in self._requests:
                     steps.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
 
@@ -236,6 +245,10 @@ class LLMEngine:
         if request.first_token_time is None:
             request.first_token_time = now
         token_id = sampled.token_id
+        if token_id < 0:  # the sampler found every token forbidden (sampler.NO_TOKEN)
+            raise NoTokenAllowedError(
+                "no token is allowed: the request's rules (grammar, min_tokens with "
+                "stop_token_ids, logit_bias) forbid every token of the vocabulary")
         if request.held_matcher is not None:  # reasoning: free text until its end tag
             after = list(params.structured_after)
             if (request.output_token_ids + [token_id])[-len(after):] == after:

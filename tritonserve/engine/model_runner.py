@@ -236,10 +236,18 @@ class ModelRunner:
     def run(self, model_input: ModelInput) -> dict[str, list[SampledToken]]:
         """The forward, the sampled rows' logits and the draw of a prepared step: one token a
         request, or a speculating request's accepted proposals and one more."""
-        ctx = ForwardContext(model_input.meta, self.kv_caches, self.backend)
         masks = self.sampler.start_masks(model_input.sample_requests)  # overlaps the forward
+        return self.sample(model_input, self.forward(model_input), masks)
+
+    def forward(self, model_input: ModelInput) -> torch.Tensor:
+        """run's forward: under tensor parallelism the part where the ranks meet."""
+        ctx = ForwardContext(model_input.meta, self.kv_caches, self.backend)
         with _phase("forward"):
-            hidden = self._forward(model_input, ctx)
+            return self._forward(model_input, ctx)
+
+    def sample(self, model_input: ModelInput, hidden: torch.Tensor,
+               masks=None) -> dict[str, list[SampledToken]]:
+        """run's logits and draw, after the forward: this rank's alone."""
         if not model_input.sample_requests and not model_input.spec:
             return {}
         with _phase("logits"):

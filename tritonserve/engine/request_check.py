@@ -1,24 +1,29 @@
 """What makes a request admissible, checked before it is queued: the prompt's length and token
-ids, max_tokens within max_model_len, the sampling parameters against the vocabulary, a
-structured-output grammar that compiles. It reads configuration only, so the data-parallel
-front end (server/dp_engine.py) checks requests itself, with no engine in its process.
+ids, max_tokens within max_model_len, the sampling parameters against the vocabulary, the
+bounds of engine/limits.py. It reads configuration only, so the data-parallel front end
+(server/dp_engine.py) checks requests itself, with no engine in its process. Every check is
+linear in the request and bounded (the event loop runs it); a grammar's compile is not one of
+them: engine/structured.py's parse and compile run where the host puts them
+(server/grammar_jobs.py: a worker thread), and `compile` here is the offline API's.
 """
 from __future__ import annotations
 
 import functools
 
 from .errors import InvalidRequestError
+from .limits import RequestLimits
 from .sampling_params import SamplingParams
-from .structured import Grammars
+from .structured import Grammars, check, parse
 
 
 class RequestChecker:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
-                 max_model_len: int) -> None:
+                 max_model_len: int, limits: RequestLimits = RequestLimits()) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.limits = limits
 
     @functools.cached_property
     def grammars(self) -> Grammars:
@@ -38,9 +43,8 @@ class RequestChecker:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= vocab
                for t in prompt_token_ids):
             raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
+        self._check_bounds(params)
         params = params.for_vocab(vocab)
-        if params.structured is not None:
-            self.grammars.compile(params.structured)  # a bad grammar names its field
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
@@ -49,3 +53,31 @@ class RequestChecker:
         # No KV-block check here: max_model_len fits the cache (resolve_max_model_len), so a
         # request is admitted by what it needs now, and a full cache preempts (scheduler.py).
         return params
+
+    def _check_bounds(self, params: SamplingParams) -> None:
+        limits = self.limits
+        for name, count, limit in (
+                ("stop", len(params.stop), limits.max_stop),
+                ("stop_token_ids", len(params.stop_token_ids), limits.max_stop_token_ids),
+                ("logit_bias", len(params.logit_bias), limits.max_logit_bias)):
+            if count > limit:
+                raise InvalidRequestError(name, f"{name} has {count} entries; at most {limit} "
+                                          f"(--max-{name.replace('_', '-')})")
+        longest = max(map(len, params.stop), default=0)
+        if longest > limits.max_stop_chars:
+            raise InvalidRequestError("stop", f"a stop string is {longest} characters; at most "
+                                      f"{limits.max_stop_chars} (--max-stop-chars)")
+        spec = params.structured
+        if spec is None:
+            return
+        check(spec, limits)
+        if params.min_tokens:  # a complete grammar allows EOS alone, which min_tokens bans
+            raise InvalidRequestError("min_tokens", f"min_tokens cannot be combined with "
+                                      f"{spec.param}: a grammar ends the output with EOS once "
+                                      "it is complete, and min_tokens forbids EOS until then")
+
+    def compile(self, params: SamplingParams):
+        """The request's grammar compiled here (None without one): for callers with no
+        worker to run it on (the offline API)."""
+        spec = params.structured
+        return None if spec is None else self.grammars.compile(parse(spec), spec)

@@ -24,6 +24,11 @@ from .request import Request
 from .sampling_state import SamplingState
 from .structured import TokenBitmask
 
+# the token of a row whose own rules (a grammar, a min_tokens ban over stop_token_ids) forbid
+# every token: the engine ends that request alone (NoTokenAllowedError); an all -inf row
+# would otherwise draw token 0 (argmax) or fail the batch's multinomial
+NO_TOKEN = -1
+
 _SEED_MASK = (1 << 62) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -145,13 +150,30 @@ class Sampler:
         if any(p.logit_bias or p.min_tokens or p.needs_penalties for p in params):
             logits = self.state.apply(logits, requests)
         self.bitmask.apply(logits, masks if masks is not None else self.start_masks(requests))
+        refused = self._refused_rows(logits, requests)
+        if refused:
+            logits[refused] = 0.0  # any draw will do: the rows' tokens become NO_TOKEN
 
         if all(p.greedy for p in params):
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._draw(logits, params, self._seeds(requests).to(device))
         self.state.record(requests, token_ids)
-        return self._outputs(token_ids, logprobs, params)
+        outputs = self._outputs(token_ids, logprobs, params)
+        for row in refused:
+            outputs[row] = SampledToken(NO_TOKEN, None, None)
+        return outputs
+
+    @staticmethod
+    def _refused_rows(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """Rows where nothing is left to draw: only a grammar or a min_tokens ban sets a
+        logit to -inf, so only their rows are looked at."""
+        rows = [row for row, r in enumerate(requests) if r.matcher is not None
+                or r.num_output_tokens < r.params.min_tokens]
+        if not rows:
+            return []
+        empty = torch.isneginf(logits[rows]).all(dim=-1).tolist()
+        return [row for row, none_left in zip(rows, empty) if none_left]
 
     @staticmethod
     def _triton_plain(logits: torch.Tensor, temperature: torch.Tensor,

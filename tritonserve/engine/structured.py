@@ -2,13 +2,22 @@
 or EBNF) as a token bitmask applied to its logits before the draw, with xgrammar (the grammar
 library vLLM and SGLang use by default).
 
-Contract: `Grammars.compile(spec)` raises InvalidRequestError(spec.param) for a grammar that
-does not compile (call it when the request is validated; compiled grammars are cached by
-xgrammar, so compiling again when the request is added costs nothing). `matcher(spec)` gives a
-request its own matcher; the sampler's TokenBitmask fills and applies the masks of a batch;
-the engine calls `accept_token` with every sampled token and finishes the request when the matcher
-is terminated. A grammar's only way out is the tokenizer's EOS: when the grammar is complete,
-EOS is the only token left.
+Contract: a grammar is made in three steps, each of which raises InvalidRequestError(spec.param)
+naming the request's field:
+- `Grammars.check(spec)`: the bounds of engine/limits.py (text size, schema depth), linear in
+  the text; cheap enough for the event loop;
+- `parse(spec)`: the spec as an xgrammar Grammar, which needs no tokenizer; the part whose time
+  grows with a schema's depth (a 128-level schema: ~0.2 s); its `serialize_json()` is small
+  (80 KB at 128 levels) and crosses to a data-parallel engine process;
+- `Grammars.compile(grammar)`: the token masks over the vocabulary (a CompiledGrammar, 0.1-50
+  MB: never sent between processes); the part whose time grows with a choice list's length.
+Both slow steps release the GIL: the server runs them on a worker thread
+(server/grammar_jobs.py), never on the event loop, and hands the engine what they made; the
+engine does not compile the text again. `matcher(compiled)` gives a request its own matcher;
+the sampler's TokenBitmask fills and applies the masks of a batch; the engine calls
+`accept_token` with every sampled token and finishes the request when the matcher is
+terminated. A grammar's only way out is the tokenizer's EOS: when the grammar is complete, EOS
+is the only token left.
 """
 from __future__ import annotations
 
@@ -19,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InvalidRequestError
+from .limits import RequestLimits, json_depth
 
 
 def _xgrammar():
@@ -28,6 +38,9 @@ def _xgrammar():
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 JSON_OBJECT = '{"type": "object"}'  # what json_object means: OpenAI's and vLLM's
+# xgrammar caches compiled grammars by content without a bound by default: distinct grammars
+# from clients would grow it for ever (one 480-level schema compiled to 48 MB)
+CACHE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -46,37 +59,77 @@ class StructuredOutput:
                                       f"got {self.kind!r}")
 
 
+def _bad(spec: StructuredOutput, exc: Exception) -> InvalidRequestError:
+    return InvalidRequestError(spec.param, f"{spec.param} does not compile: "
+                               f"{type(exc).__name__}: {exc}")
+
+
+def check(spec: StructuredOutput, limits: RequestLimits) -> None:
+    """The bounds of engine/limits.py, before any work that grows faster than the text."""
+    if len(spec.value) > limits.max_grammar_chars:
+        raise InvalidRequestError(spec.param, f"{spec.param} is {len(spec.value)} characters; "
+                                  f"at most {limits.max_grammar_chars} (--max-grammar-chars)")
+    if spec.kind == "json":
+        try:
+            depth = json_depth(json.loads(spec.value), limits.max_schema_depth)
+        except (ValueError, RecursionError) as exc:
+            raise _bad(spec, exc) from None
+        if depth > limits.max_schema_depth:
+            raise InvalidRequestError(spec.param, f"{spec.param} is nested more than "
+                                      f"{limits.max_schema_depth} levels deep "
+                                      "(--max-schema-depth)")
+
+
+def parse(spec: StructuredOutput):
+    """-> an xgrammar Grammar (no tokenizer needed)."""
+    xgr = _xgrammar()
+    try:
+        if spec.kind in ("json", "json_object"):  # json_object: an object at the top,
+            # anything inside (vLLM's rule; xgrammar's builtin JSON grammar took any value)
+            schema = spec.value if spec.kind == "json" else JSON_OBJECT
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.value)
+        if spec.kind == "choice":
+            choices = json.loads(spec.value)
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c)
+                                                                   for c in choices))
+        return xgr.Grammar.from_ebnf(spec.value)
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises several types for bad input
+        raise _bad(spec, exc) from None
+
+
+def from_json(text: str):
+    """A parsed Grammar back from its serialize_json() (a data-parallel engine's side)."""
+    return _xgrammar().Grammar.deserialize_json(text)
+
+
 class Grammars:
-    """One per engine: the compiler, built for its tokenizer, with xgrammar's cache."""
+    """One per engine: the compiler, built for its tokenizer, with xgrammar's (bounded) cache.
+    One compile thread: on a 2-core machine the engine keeps the other core."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         xgr = _xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(info)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1,
+                                            cache_limit_bytes=CACHE_BYTES)
 
-    def compile(self, spec: StructuredOutput):
-        """-> an xgrammar CompiledGrammar."""
+    def compile(self, grammar, spec: StructuredOutput):
+        """A parsed Grammar -> an xgrammar CompiledGrammar (errors name spec's field)."""
         try:
-            if spec.kind == "json":
-                return self.compiler.compile_json_schema(spec.value, any_whitespace=False)
-            if spec.kind == "json_object":  # an object at the top, anything inside (vLLM's
-                # rule; xgrammar's builtin JSON grammar took any value: arrays, strings)
-                return self.compiler.compile_json_schema(JSON_OBJECT, any_whitespace=False)
-            if spec.kind == "regex":
-                return self.compiler.compile_regex(spec.value)
-            if spec.kind == "choice":
-                choices = json.loads(spec.value)
-                alternatives = " | ".join(json.dumps(c) for c in choices)
-                return self.compiler.compile_grammar(f"root ::= {alternatives}")
-            return self.compiler.compile_grammar(spec.value)
+            return self.compiler.compile_grammar(grammar)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises several types for bad input
-            raise InvalidRequestError(spec.param, f"{spec.param} does not compile: "
-                                      f"{type(exc).__name__}: {exc}") from None
+            raise _bad(spec, exc) from None
 
-    def matcher(self, spec: StructuredOutput):
+    def compile_spec(self, spec: StructuredOutput):
+        """parse then compile, in the calling thread (the offline API, bench grammar)."""
+        return self.compile(parse(spec), spec)
+
+    @staticmethod
+    def matcher(compiled):
         """-> a fresh xgrammar GrammarMatcher for one request."""
-        return _xgrammar().GrammarMatcher(self.compile(spec))
+        return _xgrammar().GrammarMatcher(compiled)
 
 
 class TokenBitmask:

@@ -176,8 +176,11 @@ class TensorParallelRunner:
             raise WorkerDiedError(self.dead)
 
     def is_device_fatal(self, exc: BaseException) -> bool:
-        """Any failure of a collective ends the engine: the ranks are out of step."""
-        return True
+        """A failure while the ranks meet (the broadcast, the forward's all-reduces) ends the
+        engine: they are out of step (`dead` says so). One before (preparing the inputs) or
+        after (rank 0's logits and draw: a request's grammar, a sampling fault) leaves them in
+        step: that batch fails and the engine goes on, as with one process."""
+        return self.dead is not None or self.local.is_device_fatal(exc)
 
     def profile_peak_bytes(self, max_model_len: int) -> int:
         self._broadcast(("profile", max_model_len))
@@ -193,13 +196,15 @@ class TensorParallelRunner:
     @torch.inference_mode()
     def execute(self, schedule: SchedulerOutput) -> dict:
         model_input = self.local.prepare(schedule.scheduled)
+        masks = self.local.sampler.start_masks(model_input.sample_requests)
         try:
             self._broadcast(("forward", dataclasses.replace(model_input, sample_requests=[],
                                                                  spec=())))
-            return self.local.run(model_input)
+            hidden = self.local.forward(model_input)
         except Exception as exc:
             self.dead = self.dead or f"{type(exc).__name__}: {exc}"  # the ranks are out of step
             raise
+        return self.local.sample(model_input, hidden, masks)
 
     def _broadcast(self, message: tuple) -> None:
         self.check_health()

@@ -19,6 +19,7 @@ from tritonserve.engine.tp_runner import serve_rank
 from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, QUANTIZATIONS,
                                        CacheConfig, EngineConfig, SchedulerConfig,
                                        SpeculativeConfig)
+from tritonserve.engine.limits import RequestLimits
 from tritonserve.engine.speculative import METHODS as SPECULATIVE_METHODS
 from tritonserve.engine.llm import build_config
 
@@ -139,7 +140,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "the chat template's (hermes when it says nothing)")
     p.add_argument("--served-model-name", nargs="+", type=str, default=v.served_model_name,
                    help="the names requests may use (the first is reported); default the "
-                   "model folder's name and path")
+                   "model folder's name (its path is taken too, never shown)")
+    limits = p.add_argument_group("request limits", "bounds on a request's input whose cost "
+                                  "grows with it (engine/limits.py); past one, a 400 naming "
+                                  "the field")
+    for f in fields(RequestLimits):
+        limits.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default),
+                            default=f.default, help=f"{f.metadata['help']} (default "
+                            f"{f.default:g})")
     return p.parse_args(argv)
 
 
@@ -175,7 +183,8 @@ def engine_config(args: argparse.Namespace):
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, speculative_max_batch=args.speculative_max_batch,
-        speculative_min_acceptance=args.speculative_min_acceptance))
+        speculative_min_acceptance=args.speculative_min_acceptance,
+        **{f.name: getattr(args, f.name) for f in fields(RequestLimits)}))
 
 
 async def serve_http(app: web.Application, args: argparse.Namespace,
@@ -226,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     failure: list[BaseException] = []
 
     def on_stall(reason: str) -> None:  # the main thread is stuck in the step: end the process
-        loop.call_later(STALL_EXIT_DELAY, os._exit, 1)  # once the error events are written
+        # once the error events are written (the watchdog's thread: whatever the loop does)
+        threading.Timer(STALL_EXIT_DELAY, os._exit, (1,)).start()
 
     app[STATE].on_stall = on_stall
 

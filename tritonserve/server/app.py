@@ -19,7 +19,7 @@ from .operators import api_key, cors
 from .routes_native import generate
 from .routes_openai import chat_completions, completions, models
 from .routes_tokens import detokenize, tokenize, version
-from .watchdog import watch
+from .watchdog import Watchdog
 
 log = logging.getLogger("tritonserve.server")
 
@@ -110,11 +110,11 @@ def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig = ServerConf
             if state.on_stall is not None:
                 state.on_stall(why)
 
-        state.watchdog = asyncio.create_task(watch(state.engine, state.config.step_timeout,
-                                                   stalled))
+        state.watchdog = Watchdog(state.engine, state.config.step_timeout, stalled)
+        state.watchdog.start()
 
     async def stop_engine(app: web.Application) -> None:
-        app[STATE].watchdog.cancel()
+        app[STATE].watchdog.stop()
         app[STATE].engine.stop()
 
     app.on_startup.append(start_engine)

@@ -9,7 +9,11 @@ another thread measured 30-60 % slower here (a batch-16 SmolLM2 decode step: 78 
 main thread, 117 ms on a second one). Tests use start_thread() instead.
 
 New requests and aborts cross into the thread through a locked inbox and an Event (the
-thread sleeps while idle). Each engine step's GenerationSteps cross back in one
+thread sleeps while idle). A structured-output request's grammar is compiled before it is
+queued, on server/grammar_jobs.py's workers (never on the event loop), and the engine gets it
+compiled. A request id stays in flight from submit until the engine reports its end (not
+until its stream closes), so a caller reusing an X-Request-Id can never be hit by an abort or
+a step meant for the request that had it before. Each engine step's GenerationSteps cross back in one
 call_soon_threadsafe per step, fanned out to per-request asyncio queues: no polling delay.
 
 When the engine dies (EngineDeadError: a device fault, or steps that keep failing), the steps
@@ -28,9 +32,12 @@ import time
 
 from tritonserve.engine import (EngineDeadError, GenerationStep, InvalidRequestError, LLMEngine,
                                 SamplingParams)
+from tritonserve.engine.limits import RequestLimits
 from tritonserve.engine.sampling_params import SEED_LIMIT
+from tritonserve.engine.structured import StructuredOutput, parse
 
 from .engine_card import EngineStats, EngineView, ModelCard, card_of, stats_of
+from .grammar_jobs import GrammarJobs
 from .prompts import PromptTokenizer
 from .streams import (EngineUnavailableError, NewRequest, OverloadedError, RequestStream,
                       StreamFailure, StreamItem)
@@ -43,12 +50,16 @@ class AsyncEngine:
                  served_names: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self._open(max_waiting, PromptTokenizer(engine.model_path, engine.max_model_len),
-                   card_of(engine, served_names))
+                   card_of(engine, served_names), engine.config.limits)
         engine.grammars  # built now (~1 s): not on the event loop at the first structured request
 
-    def _open(self, max_waiting: int, prompts: PromptTokenizer, card: ModelCard) -> None:
+    def _open(self, max_waiting: int, prompts: PromptTokenizer, card: ModelCard,
+              limits: RequestLimits) -> None:
         """The front half every host shares (server/dp_engine.py's too): streams, inbox, stats."""
         self.max_waiting = max_waiting
+        self.limits = limits  # engine/limits.py: the routes read the server-side ones
+        self.grammar_jobs = GrammarJobs(limits.grammar_timeout)
+        self._live: set[str] = set()  # ids the engine holds (see the module docstring)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[NewRequest] = []
@@ -85,6 +96,7 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self.prompts.close()
+        self.grammar_jobs.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
         if self._thread is None or not self._thread.is_alive():  # not inside a step
@@ -103,17 +115,24 @@ class AsyncEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         return self.engine.validate(prompt_token_ids, params)  # reads configuration only
 
-    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-               arrival_time: float, n: int = 1) -> RequestStream:
+    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                     arrival_time: float, n: int = 1) -> RequestStream:
         """n choices for each prompt (choice index = prompt index * n + j); every prompt is
-        validated and admission checked before anything is enqueued, so this raises
-        InvalidRequestError, OverloadedError or EngineUnavailableError having done nothing.
-        The n choices of a prompt share its prefill: the first runs it, the others wait for it
-        and then find the prompt's full blocks in the prefix cache. A seeded request's choice
-        j samples with seed + j. Close the returned stream in a `finally`."""
+        validated, its grammar compiled (off the loop) and admission checked before anything
+        is enqueued, so this raises InvalidRequestError, OverloadedError or
+        EngineUnavailableError having done nothing. The n choices of a prompt share its
+        prefill: the first runs it, the others wait for it and then find the prompt's full
+        blocks in the prefix cache. A seeded request's choice j samples with seed + j. Close
+        the returned stream in a `finally`."""
         if self.dead is not None:
             raise EngineUnavailableError(f"the engine is dead ({self.dead}); restart the server")
         checked = [self.validate(ids, params) for ids in prompts]
+        grammar = None
+        if params.structured is not None:  # one grammar for every prompt and choice
+            grammar = await self.grammar_jobs.run(params.structured, self._grammar,
+                                                  params.structured)
+        if self.dead is not None:
+            raise EngineUnavailableError(f"the engine is dead ({self.dead}); restart the server")
         if self.num_waiting + len(prompts) * n > self.max_waiting:
             raise OverloadedError(f"{self.num_waiting} requests are waiting "
                                   f"(--max-waiting {self.max_waiting})")
@@ -127,20 +146,27 @@ class AsyncEngine:
                     choice_params = dataclasses.replace(
                         prompt_params, seed=(prompt_params.seed + j) % SEED_LIMIT)
                 choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{len(new)}"
-                new.append(NewRequest(choice_id, ids, choice_params, arrival_time, first))
+                new.append(NewRequest(choice_id, ids, choice_params, arrival_time, first,
+                                      grammar))
                 first = first or choice_id
         for index, item in enumerate(new):
             self._queues[item.request_id] = (queue, index)
+            self._live.add(item.request_id)
         with self._lock:
             self._inbox.extend(new)
         self._wake.set()
         return RequestStream(self, [item.request_id for item in new], queue)
 
+    def _grammar(self, spec: StructuredOutput):
+        """On a grammar worker: what NewRequest.grammar carries to this host's engine (the
+        compiled grammar; server/dp_engine.py sends the parsed one instead)."""
+        return self.engine.grammars.compile(parse(spec), spec)
+
     def in_flight(self, request_id: str) -> bool:
-        """A request (or one of its n choices, `id-k`) with this id has not ended."""
-        with self._lock:
-            return any(key == request_id or key.startswith(request_id + "-")
-                       for key in self._queues)
+        """A request (or one of its n choices, `id-k`) with this id has not ended in the
+        engine (its stream may have closed already)."""
+        return any(key == request_id or key.startswith(request_id + "-")
+                   for key in self._live)
 
     def forget(self, request_id: str) -> None:
         """Its stream was closed: steps for it are dropped from now on."""
@@ -160,20 +186,26 @@ class AsyncEngine:
     def _dispatch(self, steps: list[GenerationStep], failure: StreamFailure | None,
                   failed_ids: list[str]) -> None:
         for step in steps:
+            if step.finished:
+                self._live.discard(step.request_id)
             target = self._queues.get(step.request_id)
             if target is not None:
                 target[0].put_nowait((target[1], step))
         if failure is not None:
             for request_id in failed_ids:
+                self._live.discard(request_id)
                 target = self._queues.get(request_id)
                 if target is not None:
                     target[0].put_nowait((target[1], failure))
 
     def stalled(self, reason: str) -> bool:
-        """On the event loop (server/watchdog.py): a step hangs. The engine counts as dead
-        (/health 503) and every open stream ends with an error event now; the step itself
-        cannot be interrupted. True: nothing is left serving (the process should end)."""
-        self._die([], reason)
+        """On the watchdog's thread (server/watchdog.py): a step hangs. The engine counts as
+        dead (/health 503) at once, and every open stream ends with an error event as soon as
+        the loop runs; the step itself cannot be interrupted. True: nothing is left serving
+        (the process should end)."""
+        self.dead = reason
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._die, [], reason)
         return True
 
     def _die(self, steps: list[GenerationStep], reason: str) -> None:
@@ -182,6 +214,7 @@ class AsyncEngine:
         self._dispatch(steps, None, [])
         failure = StreamFailure("engine_dead", f"the engine died: {reason}")
         self._dispatch([], failure, list(self._queues))
+        self._live.clear()
 
     # ---- the engine thread --------------------------------------------------------------
     def run(self) -> None:
@@ -196,7 +229,8 @@ class AsyncEngine:
                 for new in inbox:
                     try:
                         engine.add_request(new.prompt_token_ids, new.params, new.request_id,
-                                           new.arrival_time, prefill_after=new.prefill_after)
+                                           new.arrival_time, prefill_after=new.prefill_after,
+                                           grammar=new.grammar)
                     except Exception as exc:  # noqa: BLE001 - checked before; this one alone
                         code = ("invalid_request" if isinstance(exc, InvalidRequestError)
                                 else "engine_error")

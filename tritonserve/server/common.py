@@ -12,6 +12,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from tritonserve.engine import Completion, FinishReason, InvalidRequestError, SamplingParams
+from tritonserve.engine.limits import RequestLimits
 from tritonserve.engine.structured import StructuredOutput
 
 from .async_engine import AsyncEngine
@@ -22,6 +23,7 @@ from .config import ServerConfig
 from .metrics import Metrics
 from .prompts import check_text
 from .schema import SamplingFields, StreamDoneEvent, StreamErrorEvent
+from .watchdog import Watchdog
 
 # a \uD800-\uDFFF escape: only then can the parsed body hold a lone surrogate
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -51,7 +53,7 @@ class ServerState:
     # what the watchdog does after ending the streams (server/watchdog.py); the server's main
     # ends the process
     on_stall: Callable[[str], None] | None = None
-    watchdog: asyncio.Task | None = None
+    watchdog: Watchdog | None = None
     template: ChatTemplate | None = None  # the chat template and its parsers (build_app sets it)
 
 
@@ -122,6 +124,22 @@ def sampling_params(body: SamplingFields, logprobs: int | None,
         return SamplingParams(logprobs=logprobs, structured=structured, **options)
     except InvalidRequestError as exc:
         raise ApiError(400, "invalid_request", str(exc), exc.param) from None
+
+
+def check_chat_size(messages: list, tools: list | None, limits: RequestLimits) -> None:
+    """engine/limits.py's bounds on what the chat template renders, before it runs."""
+    if len(messages) > limits.max_messages:
+        raise ApiError(400, "invalid_request", f"messages has {len(messages)} entries; at "
+                       f"most {limits.max_messages} (--max-messages)", "messages")
+    if not tools:
+        return
+    if len(tools) > limits.max_tools:
+        raise ApiError(400, "invalid_request", f"tools has {len(tools)} entries; at most "
+                       f"{limits.max_tools} (--max-tools)", "tools")
+    chars = len(json.dumps(tools))
+    if chars > limits.max_tools_chars:
+        raise ApiError(400, "invalid_request", f"tools is {chars} characters as JSON; at most "
+                       f"{limits.max_tools_chars} (--max-tools-chars)", "tools")
 
 
 def done_event(done: Completion, request_id: str | None = None) -> StreamDoneEvent:

@@ -6,7 +6,14 @@ The front end's loop (run(), on the main thread of `tritonserve serve`) takes ne
 from the inbox, asks server/router.py for an engine, and sends them down that engine's pipe;
 it waits on every engine's pipe and process at once and fans each Stepped message out to the
 streams, as AsyncEngine.run() does with its own steps. Requests are checked here
-(engine/request_check.py) before anything is sent, so a bad one gets its 400 from the front end.
+(engine/request_check.py) and their grammars parsed (server/grammar_jobs.py, off the event
+loop) before anything is sent, so a bad one gets its 400 from the front end; the engine gets
+the parsed grammar and compiles its token masks off its step thread.
+
+Nothing here waits on an engine while holding the lock the event loop takes: messages to an
+engine go through its own outbox and writer thread, so an engine that stops reading its pipe
+(stuck in a step, SIGSTOP) blocks only its writer, and costs only its own requests; the
+watchdog (a thread: server/watchdog.py) takes it out.
 
 An engine that dies (its process exits: a fault, a kill, the watchdog) is out of rotation for
 good: the steps it reported are delivered, its other streams end with an `engine_dead` error
@@ -23,6 +30,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import queue
 import select
 import threading
 import time
@@ -33,11 +41,12 @@ from transformers import AutoTokenizer
 from tritonserve.engine import GenerationStep, SamplingParams
 from tritonserve.engine.config import EngineConfig
 from tritonserve.engine.request_check import RequestChecker
+from tritonserve.engine.structured import StructuredOutput, parse
 
 from .async_engine import AsyncEngine
 from .dp_placement import devices_for, split_cache
 from .engine_card import EngineStats, EngineView
-from .engine_process import (Abort, Died, Ready, Rejected, StartFailed, Stepped, Stop,
+from .engine_process import (Abort, Alive, Died, Ready, Rejected, StartFailed, Stepped, Stop,
                              engine_main)
 from .prompts import PromptTokenizer
 from .router import NoEngineError, Router
@@ -86,6 +95,20 @@ class _Engine:
     stats: EngineStats = EngineStats()
     heard: float = 0.0  # time.monotonic() of its last message, or of work sent to it idle
     why_dead: str | None = None
+    outbox: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+
+    def start_writer(self, index: int) -> None:
+        threading.Thread(target=self._write, name=f"engine-{index}-writer",
+                         daemon=True).start()
+
+    def _write(self) -> None:
+        """The only sender on this engine's pipe: a send that blocks (the engine reads no
+        more) blocks here alone. None ends it."""
+        while (message := self.outbox.get()) is not None:
+            try:
+                self.conn.send(message)
+            except (OSError, ValueError):  # it died (its sentinel tells the loop), or closed
+                return
 
 
 class DataParallelEngine(AsyncEngine):
@@ -104,6 +127,7 @@ class DataParallelEngine(AsyncEngine):
             process.start()
             child.close()
             self._engines.append(_Engine(process, parent))
+            self._engines[-1].start_writer(index)
         readies = [self._await_ready(e) for e in self._engines]
         card = dataclasses.replace(
             readies[0].card, engines=size,
@@ -113,12 +137,12 @@ class DataParallelEngine(AsyncEngine):
             engine.pid = ready.pid
         tokenizer = AutoTokenizer.from_pretrained(card.root)
         self.checker = RequestChecker(tokenizer, card.vocab_size, readies[0].eos_token_ids,
-                                      card.max_model_len)
-        self.checker.grammars  # ~1 s, now rather than on the event loop
+                                      card.max_model_len, config.limits)
         if not config.cache.enable_prefix_caching:  # no engine holds anything to route on
             routing = "least-tokens" if routing == "prefix" else routing
         self.router = Router(size, card.block_size, routing, seed=config.seed or 0)
-        self._open(max_waiting, PromptTokenizer(card.root, card.max_model_len), card)
+        self._open(max_waiting, PromptTokenizer(card.root, card.max_model_len), card,
+                   config.limits)
         self._wake = _PipeWake()
         self._running = False
 
@@ -138,6 +162,11 @@ class DataParallelEngine(AsyncEngine):
     # ---- the narrow door's parts that differ ---------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         return self.checker.validate(prompt_token_ids, params)
+
+    def _grammar(self, spec: StructuredOutput) -> str:
+        """On a grammar worker: the parsed grammar as JSON (small; a compiled one is 0.1-50
+        MB), which the engine process compiles for its tokenizer."""
+        return parse(spec).serialize_json()
 
     def engines(self) -> list[EngineView]:
         return [EngineView(i, e.why_dead is None and self.router.engines[i].alive, e.pid,
@@ -172,6 +201,7 @@ class DataParallelEngine(AsyncEngine):
         self._stopping = True
         self._wake.set()
         self.prompts.close()
+        self.grammar_jobs.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=STOP_TIMEOUT_S + 5)
         if not self._running:
@@ -226,10 +256,8 @@ class DataParallelEngine(AsyncEngine):
         return True
 
     def _send(self, index: int, message) -> None:
-        try:
-            self._engines[index].conn.send(message)
-        except OSError:  # it died; its process sentinel tells the loop
-            pass
+        """Never blocks: the engine's writer thread sends it (see _Engine._write)."""
+        self._engines[index].outbox.put(message)
 
     def _wait_and_read(self) -> None:
         live = {i: e for i, e in enumerate(self._engines) if self.router.engines[i].alive}
@@ -299,8 +327,8 @@ class DataParallelEngine(AsyncEngine):
 
     def _close_engines(self) -> None:
         for engine in self._engines:
-            if engine.process.is_alive():
-                self._send_stop(engine)
+            engine.outbox.put(Stop())
+            engine.outbox.put(None)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for engine in self._engines:
             engine.process.join(timeout=max(0.1, deadline - time.monotonic()))
@@ -308,9 +336,3 @@ class DataParallelEngine(AsyncEngine):
                 engine.process.kill()
                 engine.process.join(timeout=5)
 
-    @staticmethod
-    def _send_stop(engine: _Engine) -> None:
-        try:
-            engine.conn.send(Stop())
-        except OSError:
-            pass

@@ -27,8 +27,12 @@ class ModelCard:
     engines: int = 1  # data-parallel engines (num_kv_blocks is their sum)
 
     def names(self) -> tuple[str, ...]:
-        """The names a request's `model` field may use."""
+        """The names a request's `model` field may use (the folder's path too, as vLLM)."""
         return self.aliases or (self.name, self.root)
+
+    def public_names(self) -> tuple[str, ...]:
+        """The names the server shows (/v1/models, a 404): never its own paths."""
+        return self.aliases or (self.name,)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,10 @@ async def api_key(request: web.Request, handler):
     if config.api_key is None or request.path in PAGES or (
             request.path in PROBES and not config.auth_probes):
         return await handler(request)
-    if not hmac.compare_digest(_given_key(request).encode(), config.api_key.encode()):
+    # a header that is not UTF-8 reaches here with surrogate escapes (aiohttp's decoding):
+    # its own bytes back, never an encoding error (that was a 500)
+    given = _given_key(request).encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(given, config.api_key.encode()):
         return json_error(401, "invalid_api_key", "a valid API key is required: "
                           "Authorization: Bearer KEY", headers={"WWW-Authenticate": "Bearer"})
     return await handler(request)

@@ -30,6 +30,21 @@ def max_token_chars(tokenizer) -> int:
     return max(len(piece) for piece in tokenizer.get_vocab())
 
 
+def text_chars(value) -> int:
+    """The characters of every string (keys included) in a JSON-like value; iterative."""
+    total, todo = 0, [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+    return total
+
+
 def check_text(field: str, text: str) -> None:
     try:
         text.encode("utf-8")
@@ -87,12 +102,14 @@ class PromptTokenizer:
                           template: ChatTemplate | None = None,
                           kwargs: dict | None = None) -> tuple[list[int], str]:
         """The chat template applied to the messages (and tools), tokenized: (ids, text)."""
-        chars = 0
+        chars = text_chars(tools or ())  # the template writes the tools out too
         for i, message in enumerate(messages):
             for key, value in message.items():
                 if isinstance(value, str):
                     check_text(f"messages.{i}.{key}", value)
-                    chars += len(value)
+            # every string of it (names, tool calls' arguments), and one for the message
+            # itself: 120k empty messages passed a count of their content alone
+            chars += text_chars(message) + 1
         self._check_length("messages", chars)
         template = template or ChatTemplate(None, DEFAULT_TEMPLATE_TIMEOUT)
         return await self._run("messages", self._chat_ids, messages, tools, template,

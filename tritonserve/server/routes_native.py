@@ -55,5 +55,5 @@ async def generate(request: web.Request) -> web.StreamResponse:
     prompt_ids = (await state.engine.prompts.encode(body.prompt)
                   if isinstance(body.prompt, str) else list(body.prompt))
     request_id = caller_request_id(request, "gen")
-    items = state.engine.submit(request_id, [prompt_ids], params, arrival)
+    items = await state.engine.submit(request_id, [prompt_ids], params, arrival)
     return await respond(request, request_id, items, NativeRenderer(request_id), body.stream)

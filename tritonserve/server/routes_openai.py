@@ -18,7 +18,8 @@ from aiohttp import web
 from tritonserve.engine import FinishReason
 
 from .async_engine import now
-from .common import STATE, ApiError, error_body, parse_body, sampling_params
+from .common import (STATE, ApiError, check_chat_size, error_body, parse_body,
+                     sampling_params)
 from .operators import request_id as caller_request_id
 from .driver import Choice, Payload, Renderer, respond
 from .schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIFields
@@ -36,9 +37,10 @@ UNSUPPORTED = ("service_tier", "metadata", "suffix", "functions", "function_call
 
 
 def check_model(state, model: str | None) -> None:
-    if model is not None and model not in state.engine.card.names():
+    card = state.engine.card
+    if model is not None and model not in card.names():
         raise ApiError(404, "model_not_found", f"model {model!r} is not served here; "
-                       f"this server serves {' or '.join(map(repr, state.engine.card.names()))}",
+                       f"this server serves {' or '.join(map(repr, card.public_names()))}",
                        "model")
 
 
@@ -261,7 +263,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         echo = [p if isinstance(p, str) else await tokenizer.decode(p) for p in prompts]
     params = sampling_params(body, body.logprobs, structured=structured_output(body))
     request_id = _start(request, "cmpl")
-    items = state.engine.submit(request_id, ids, params, arrival, body.n)
+    items = await state.engine.submit(request_id, ids, params, arrival, body.n)
     renderer = CompletionRenderer(state, request_id, body, echo, [len(p) for p in ids])
     return await respond(request, request_id, items, renderer, body.stream)
 
@@ -276,6 +278,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if body.chat_template is not None:
         raise ApiError(400, "invalid_request", "a chat template is server configuration "
                        "(--chat-template), never request data", "chat_template")
+    check_chat_size(body.messages, body.tools, state.engine.limits)
     kwargs = template.kwargs_for(body.chat_template_kwargs, body.reasoning_effort)
     plan = tool_plan(body.tools, body.tool_choice, template.tool_parser,
                      body.parallel_tool_calls)
@@ -299,7 +302,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         end = await state.engine.prompts.encode(REASONING_END, "messages", False)
         params = dataclasses.replace(params, structured_after=tuple(end))
     request_id = _start(request, "chatcmpl")
-    items = state.engine.submit(request_id, [prompt_ids], params, arrival, body.n)
+    items = await state.engine.submit(request_id, [prompt_ids], params, arrival, body.n)
     renderer = ChatRenderer(state, request_id, body, plan, len(prompt_ids), prompt_text,
                             template.reasoning_parser)
     return await respond(request, request_id, items, renderer, body.stream)
@@ -315,5 +318,5 @@ async def models(request: web.Request) -> web.Response:
     card = request.app[STATE].engine.card
     return web.json_response({"object": "list", "data": [{
         "id": name, "object": "model", "created": 0, "owned_by": "tritonserve",
-        "root": card.root, "max_model_len": card.max_model_len}
-        for name in (card.aliases or (card.name,))]})
+        "root": card.name, "max_model_len": card.max_model_len}
+        for name in card.public_names()]})

@@ -5,7 +5,7 @@ from importlib import metadata
 
 from aiohttp import web
 
-from .common import STATE, ApiError, parse_body
+from .common import STATE, ApiError, check_chat_size, parse_body
 from .routes_openai import check_model
 from .schema import DetokenizeRequest, TokenizeRequest
 
@@ -29,6 +29,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if body.prompt is not None:
         tokens = await prompts.encode(body.prompt, "prompt", body.add_special_tokens)
     else:
+        check_chat_size(body.messages, None, state.engine.limits)
         kwargs = state.template.kwargs_for(body.chat_template_kwargs, None)
         tokens, _ = await prompts.encode_chat([m.for_template() for m in body.messages], None,
                                               state.template, kwargs)

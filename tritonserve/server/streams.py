@@ -41,6 +41,9 @@ class NewRequest:
     params: SamplingParams
     arrival_time: float
     prefill_after: str | None  # a sibling whose prompt prefill this one waits for (n > 1)
+    # the structured output's grammar, made off the event loop (server/grammar_jobs.py):
+    # compiled for an engine in this process, a parsed grammar's JSON for an engine process
+    grammar: object = None
 
 
 StreamItem = GenerationStep | StreamFailure

@@ -14,7 +14,7 @@ whitespace that might end up at either end: the content is the outside text, str
 call deltas as OpenAI streams them: the first with `index`, `id`, `name` and empty arguments,
 then the arguments' text in pieces as the model writes it (the model's own JSON text: the
 streamed pieces joined equal the non-streamed `arguments`). A call is scanned by
-server/json_scan.py over the call's text so far (calls are short; it re-reads each time).
+server/json_scan.py's Scanner, fed each delta once (linear in the call's length).
 
 A call the model never finished or wrote wrong: its text is content when no delta of it was
 sent; a non-streamed answer with such a call is all content (never a 500).
@@ -25,7 +25,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from .json_scan import Scan, scan
+from .json_scan import Scan, Scanner, scan
 from .reasoning import partial_suffix
 
 PARSERS = ("hermes", "llama3_json", "mistral")
@@ -68,6 +68,7 @@ class _Region:
     closed: bool = False
     announced: list[ToolCall] = field(default_factory=list)
     sent_args: list[int] = field(default_factory=list)
+    scanner: Scanner | None = None  # fed region.text as it grows
 
 
 class ToolCallStream:
@@ -164,7 +165,7 @@ class ToolCallStream:
 
     # ---- calls -----------------------------------------------------------------------------
     def _open_region(self, rest: str) -> None:
-        self._region = _Region()
+        self._region = _Region(scanner=Scanner(self.depth, self.separators))
         self._regions.append(self._region)
         self._held = rest
 
@@ -197,7 +198,7 @@ class ToolCallStream:
         return False
 
     def _emit(self, region: _Region, out: Deltas) -> Scan:
-        result = scan(region.text, self.depth, self.separators)
+        result = region.scanner.feed(region.text[len(region.scanner.text):])
         for k, call in enumerate(result.calls):
             if self.single and k >= len(region.announced) and \
                     sum(len(r.announced) for r in self._regions):

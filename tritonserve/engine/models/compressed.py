@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from tritonserve.kernels import quant_layout
 
@@ -111,10 +110,10 @@ def read_compressed(folder: str | Path, scheme: Scheme
     the checkpoint are left to the loader."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     folder = Path(folder)
-    from .loader import safetensors_files  # the loader imports this module's names
+    from .loader import open_safetensors, safetensors_files  # the loader imports this module
 
     for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for key in f.keys():
                 prefix, _, part = key.rpartition(".")
                 if part in PARTS or (scheme.format == "naive-quantized" and part == "weight"

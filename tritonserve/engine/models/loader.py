@@ -5,12 +5,13 @@ must be filled exactly once: missing, unexpected or mis-shaped tensors fail loud
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..parallel import Shard
@@ -71,14 +72,41 @@ def checkpoint_slots(model: DecoderForCausalLM) -> dict[str, WeightSlot]:
 
 
 def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's files: those the index names (each inside the folder: a name like
+    ../../etc/passwd is refused, never opened), else every *.safetensors file."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / n for n in names]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise WeightLoadError(f"{index} is not a safetensors index ({type(exc).__name__}: "
+                                  f"{exc})") from None
+        root = folder.resolve()
+        files = []
+        for name in names:
+            path = (folder / str(name)).resolve()
+            if not path.is_relative_to(root):
+                raise WeightLoadError(f"{index} names {name!r}, outside the model folder")
+            if not path.is_file():
+                raise WeightLoadError(f"{index} names {name!r}, which is not in {folder}")
+            files.append(path)
+        return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"no *.safetensors files in {folder}")
     return files
+
+
+@contextlib.contextmanager
+def open_safetensors(path: Path):
+    """safe_open, with a truncated or malformed file (at open or while its tensors are read)
+    named in one WeightLoadError instead of a library traceback."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as exc:
+        raise WeightLoadError(f"{path} is not a readable safetensors file: {exc}") from None
 
 
 @torch.no_grad()
@@ -115,7 +143,7 @@ def load_weights(model: DecoderForCausalLM, folder: str | Path,
     for name, tensor in substitute.items():
         put(name, tensor)
     for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or name in substitute:
                     continue
