@@ -1,6 +1,6 @@
 """tritonserve bench {throughput,profile,kernels,serve,conformance,grammar,loading,
     engine-check,compile-probe,cpu-decode,cpu-linear,quant-accuracy,ab-trees,tp-cost,
-    bound,gguf-table} ..."""
+    bound,gguf-table,hostile} ..."""
 from __future__ import annotations
 
 import importlib
@@ -23,6 +23,7 @@ COMMANDS = {
     "tp-cost": "tritonserve.bench.tp_cost",
     "bound": "tritonserve.bench.bound",
     "gguf-table": "tritonserve.bench.gguf_table",
+    "hostile": "tritonserve.bench.hostile",
 }
 
 
