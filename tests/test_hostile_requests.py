@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import threading
 
 import pytest
@@ -409,14 +410,22 @@ def test_an_engine_compiling_a_grammar_is_not_a_stuck_step(tiny_model):
 # ---- the bench's hostile-load check ---------------------------------------------------------
 def test_bench_hostile_sends_every_body_and_reports_what_answered(server):
     """Structure, not speed: each hostile body gets its answer (the bounded ones a 400, the
-    grammar that compiles and the tool call a 200), the prober and the neighbour ran all the
-    while and every probe answered 200."""
+    grammar that compiles and the streams a 200), the prober and the neighbour ran all the
+    while, every probe answered 200, and each phase reports its neighbour against its
+    baseline (the tool call against the ordinary stream of the same length)."""
     from tritonserve.bench.hostile import report, run
-    result = run(server.url, quiet_rounds=1, tool_tokens=48, health_every=0.05)
+    result = run(server.url, quiet_rounds=1, tool_tokens=48, repeat=2, health_every=0.05)
     statuses = [a["status"] for a in result["answers"]]
-    assert statuses == [400, 400, 200, 400, 400, 200], result["answers"]
-    assert result["answers"][-1]["events"] > 1  # streamed
+    assert statuses == [400, 400, 200, 400, 400] * 2 + [200, 200], result["answers"]
+    short = result["phases"][0]
+    assert short["neighbour_streams"] == 10  # one beside each short body
+    assert all(a["events"] > 1 for a in result["answers"][-2:])  # streamed
     assert result["probes"] > 0 and result["health_not_200"] == 0
-    assert result["neighbour_streams"] >= 1
+    phases = {p["phase"]: p for p in result["phases"]}
+    assert list(phases) == ["short bodies", "ordinary long stream", "tool call"]
+    assert phases["short bodies"]["baseline_s"] == statistics.median(result["quiet_s"])
+    ordinary = phases["ordinary long stream"]
+    if ordinary["neighbour_streams"]:
+        assert phases["tool call"]["baseline_s"] == ordinary["neighbour_median_s"]
     lines = report(result)
-    assert lines[0].startswith("quiet neighbour") and len(lines) == 2 + 6 + 2
+    assert lines[0].startswith("quiet neighbour") and lines[-1].startswith("/health over all")

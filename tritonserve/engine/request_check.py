@@ -56,13 +56,10 @@ class RequestChecker:
 
     def _check_bounds(self, params: SamplingParams) -> None:
         limits = self.limits
-        for name, count, limit in (
-                ("stop", len(params.stop), limits.max_stop),
-                ("stop_token_ids", len(params.stop_token_ids), limits.max_stop_token_ids),
-                ("logit_bias", len(params.logit_bias), limits.max_logit_bias)):
-            if count > limit:
-                raise InvalidRequestError(name, f"{name} has {count} entries; at most {limit} "
-                                          f"(--max-{name.replace('_', '-')})")
+        for name in ("stop", "stop_token_ids", "logit_bias"):
+            problem = limits.over_count(name, len(getattr(params, name)))
+            if problem is not None:
+                raise InvalidRequestError(name, problem)
         longest = max(map(len, params.stop), default=0)
         if longest > limits.max_stop_chars:
             raise InvalidRequestError("stop", f"a stop string is {longest} characters; at most "

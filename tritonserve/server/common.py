@@ -12,7 +12,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from tritonserve.engine import Completion, FinishReason, InvalidRequestError, SamplingParams
-from tritonserve.engine.limits import RequestLimits
+from tritonserve.engine.limits import COUNTED, RequestLimits
 from tritonserve.engine.structured import StructuredOutput
 
 from .async_engine import AsyncEngine
@@ -89,6 +89,7 @@ async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
         raise ApiError(400, "invalid_json", "request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_json", "request body must be a JSON object")
+    check_counts(data, request.app[STATE].engine.limits)
     if _SURROGATE_ESCAPE.search(raw):
         try:
             _check_strings(data, "")
@@ -126,16 +127,21 @@ def sampling_params(body: SamplingFields, logprobs: int | None,
         raise ApiError(400, "invalid_request", str(exc), exc.param) from None
 
 
+def check_counts(data: dict, limits: RequestLimits) -> None:
+    """engine/limits.py's COUNTED fields, on the parsed body before its schema validation."""
+    for name in COUNTED:
+        value = data.get(name)
+        if isinstance(value, (list, dict)):
+            problem = limits.over_count(name, len(value))
+            if problem is not None:
+                raise ApiError(400, "invalid_request", problem, name)
+
+
 def check_chat_size(messages: list, tools: list | None, limits: RequestLimits) -> None:
     """engine/limits.py's bounds on what the chat template renders, before it runs."""
-    if len(messages) > limits.max_messages:
-        raise ApiError(400, "invalid_request", f"messages has {len(messages)} entries; at "
-                       f"most {limits.max_messages} (--max-messages)", "messages")
+    check_counts({"messages": messages, "tools": tools}, limits)
     if not tools:
         return
-    if len(tools) > limits.max_tools:
-        raise ApiError(400, "invalid_request", f"tools has {len(tools)} entries; at most "
-                       f"{limits.max_tools} (--max-tools)", "tools")
     chars = len(json.dumps(tools))
     if chars > limits.max_tools_chars:
         raise ApiError(400, "invalid_request", f"tools is {chars} characters as JSON; at most "

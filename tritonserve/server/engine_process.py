@@ -165,7 +165,10 @@ def _serve(engine: LLMEngine, conn) -> int:
                     return _died(conn, exc)
                 if not conn.poll(COMPILE_POLL_S if compiles.pending else IDLE_POLL_S):
                     if compiles.pending and time.monotonic() - said > ALIVE_EVERY_S:
-                        conn.send(Alive())
+                        try:
+                            conn.send(Alive())
+                        except OSError:  # the front end is gone
+                            return 0
                         said = time.monotonic()
                     continue
             try:
