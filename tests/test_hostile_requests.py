@@ -429,3 +429,6 @@ def test_bench_hostile_sends_every_body_and_reports_what_answered(server):
         assert phases["tool call"]["baseline_s"] == ordinary["neighbour_median_s"]
     lines = report(result)
     assert lines[0].startswith("quiet neighbour") and lines[-1].startswith("/health over all")
+    for phase in result["phases"]:  # a phase shorter than the probes' period has no p99
+        phase["health_p99_ms"] = None
+    assert "/health p99 - ms" in "\n".join(report(result))

@@ -213,6 +213,11 @@ def run(url: str, quiet_rounds: int = 5, tool_tokens: int = 8000, repeat: int = 
     return out
 
 
+def _figure(value: float | None, spec: str) -> str:
+    """A phase shorter than the probes' period has no /health figure of its own."""
+    return "-" if value is None else format(value, spec)
+
+
 def report(result: dict) -> list[str]:
     quiet = statistics.median(result["quiet_s"])
     lines = [f"quiet neighbour (64 tokens, greedy): median {quiet:.3f} s over "
@@ -237,7 +242,7 @@ def report(result: dict) -> list[str]:
                          f"{phase['neighbour_worst_s']:.3f} s = "
                          f"{phase['neighbour_worst_x']:.2f}x its baseline "
                          f"{phase['baseline_s']:.3f} s; /health p99 "
-                         f"{phase['health_p99_ms']:.1f} ms")
+                         f"{_figure(phase['health_p99_ms'], '.1f')} ms")
     lines.append(f"/health over all: {result['probes']} probes, p50 "
                  f"{result['health_p50_ms']:.1f} ms, p99 {result['health_p99_ms']:.1f} ms, max "
                  f"{result['health_max_ms']:.1f} ms, {result['health_not_200']} not 200")
