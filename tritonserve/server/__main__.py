@@ -20,6 +20,7 @@ from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, QUANTIZA
                                        CacheConfig, EngineConfig, SchedulerConfig,
                                        SpeculativeConfig)
 from tritonserve.engine.limits import RequestLimits
+from tritonserve.engine.models.gguf import SERVED as GGUF_SERVED
 from tritonserve.engine.speculative import METHODS as SPECULATIVE_METHODS
 from tritonserve.engine.llm import build_config
 
@@ -71,8 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sampler-backend", default=e.sampler_backend, choices=backends)
     p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "dummy"])
     p.add_argument("--quantization", "-q", default=e.quantization, choices=QUANTIZATIONS,
-                   help="gguf: a GGUF model's quantized blocks as they are (Q4_0, Q4_1, "
-                   "Q4_K, Q5_0, Q8_0; another type is refused); compressed-tensors: a W4A16 "
+                   help=f"gguf: a GGUF model's quantized blocks as they are "
+                   f"({', '.join(GGUF_SERVED)}; another type is refused); "
+                   "compressed-tensors: a W4A16 "
                    "/ W8A16 checkpoint's codes; int4 (-g64, -g128) / int8: quantized at load; "
                    "none: dense weights; auto: a GGUF model's blocks (other types dense) or a "
                    "compressed checkpoint's codes on the CPU with the C++ library")
