@@ -153,7 +153,7 @@ class TokenBitmask:
         if self._bitmask is None or self._bitmask.shape[0] < batch:
             self._bitmask = _xgrammar().allocate_token_bitmask(batch, self.vocab_size)
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         return self._worker.submit(_fill, [matchers[i] for i in rows], rows,
                                    self._bitmask[:batch])
 
