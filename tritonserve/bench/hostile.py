@@ -160,7 +160,7 @@ def run(url: str, quiet_rounds: int = 5, tool_tokens: int = 8000, repeat: int = 
     prober = threading.Thread(target=_loop, args=(stop, health_every,
                                                   lambda: _health(client), probes), daemon=True)
     prober.start()
-    answers, phases, streams = [], [], []
+    answers, phases = [], []
     try:
         quiet = [b - a for a, b in (neighbour_once(client) for _ in range(quiet_rounds))]
         quiet_median = statistics.median(quiet)

@@ -58,11 +58,12 @@ class LLM:
                              f"({len(prompts)}), got {len(params)}")
         engine = self.engine
         prompt_ids = [engine.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
-        grammars = []  # all valid (grammars compiled), or nothing is enqueued
+        checked = []  # all valid (grammars compiled), or nothing is enqueued
         for token_ids, sp in zip(prompt_ids, params):
-            grammars.append(engine.checker.compile(engine.validate(token_ids, sp)))
-        ids = [engine.add_request(token_ids, sp, grammar=grammar)
-               for token_ids, sp, grammar in zip(prompt_ids, params, grammars)]
+            sp = engine.validate(token_ids, sp)
+            checked.append((token_ids, sp, engine.checker.compile(sp)))
+        ids = [engine.add_checked(token_ids, sp, grammar=grammar)
+               for token_ids, sp, grammar in checked]
         position = {request_id: i for i, request_id in enumerate(ids)}
         tokens: dict[str, list[TokenOutput]] = {i: [] for i in ids}
         results: dict[str, RequestOutput] = {}

@@ -112,24 +112,34 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     prefill_after: str | None = None, grammar=None) -> str:
-        """prefill_after: the id of a request with the same prompt (a sibling choice of n);
-        this one is scheduled once that one's prompt is computed, and then finds the prompt's
-        full blocks in the prefix cache instead of computing them again. grammar: the
-        request's structured output already compiled (a host compiles it off its loop:
-        server/grammar_jobs.py); None compiles it here."""
+        """Validates the request (engine/request_check.py), then add_checked. prefill_after:
+        the id of a request with the same prompt (a sibling choice of n); this one is
+        scheduled once that one's prompt is computed, and then finds the prompt's full blocks
+        in the prefix cache instead of computing them again. grammar: the request's
+        structured output already compiled; None compiles it here."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenize(prompt)
         else:
             text, token_ids = None, list(prompt)
         params = self.validate(token_ids, params)
+        if grammar is None and params.structured is not None:
+            grammar = self.checker.compile(params)
+        return self.add_checked(token_ids, params, request_id, arrival_time, prefill_after,
+                                grammar, text)
+
+    def add_checked(self, token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    prefill_after: str | None = None, grammar=None,
+                    prompt: str | None = None) -> str:
+        """A request its host has checked already (RequestChecker.validate's parameters, its
+        grammar compiled off the event loop: server/async_engine.py, server/engine_process.py),
+        added without checking it again."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        if grammar is None and params.structured is not None:
-            grammar = self.checker.compile(params)
         request = Request(
-            request_id=request_id, prompt=text, prompt_token_ids=token_ids, params=params,
+            request_id=request_id, prompt=prompt, prompt_token_ids=token_ids, params=params,
             arrival_time=arrival_time if arrival_time is not None else time.perf_counter(),
             eos_token_ids=self.eos_token_ids,
             detokenizer=IncrementalDetokenizer(

@@ -228,9 +228,8 @@ class AsyncEngine:
                 failures, self._failures = self._failures, []
                 for new in inbox:
                     try:
-                        engine.add_request(new.prompt_token_ids, new.params, new.request_id,
-                                           new.arrival_time, prefill_after=new.prefill_after,
-                                           grammar=new.grammar)
+                        engine.add_checked(new.prompt_token_ids, new.params, new.request_id,
+                                           new.arrival_time, new.prefill_after, new.grammar)
                     except Exception as exc:  # noqa: BLE001 - checked before; this one alone
                         code = ("invalid_request" if isinstance(exc, InvalidRequestError)
                                 else "engine_error")

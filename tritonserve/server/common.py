@@ -1,7 +1,6 @@
 """Pieces every route shares: JSON errors, body parsing, SSE framing, request state."""
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import uuid

@@ -46,7 +46,7 @@ from tritonserve.engine.structured import StructuredOutput, parse
 from .async_engine import AsyncEngine
 from .dp_placement import devices_for, split_cache
 from .engine_card import EngineStats, EngineView
-from .engine_process import (Abort, Alive, Died, Ready, Rejected, StartFailed, Stepped, Stop,
+from .engine_process import (Abort, Died, Ready, Rejected, StartFailed, Stepped, Stop,
                              engine_main)
 from .prompts import PromptTokenizer
 from .router import NoEngineError, Router
@@ -286,7 +286,7 @@ class DataParallelEngine(AsyncEngine):
         return self.router.engines[index].alive
 
     def _take(self, index: int, engine: _Engine, message) -> None:
-        engine.heard = time.monotonic()
+        engine.heard = time.monotonic()  # any message, an Alive from a compiling engine too
         if isinstance(message, Stepped):
             self.router.journal(index, message.journal)
             for step in message.steps:

@@ -211,8 +211,8 @@ def _take(engine: LLMEngine, conn, message, compiles: _Compiles) -> None:
 
 def _add(engine: LLMEngine, conn, new: NewRequest, grammar) -> None:
     try:
-        engine.add_request(new.prompt_token_ids, new.params, new.request_id,
-                           new.arrival_time, prefill_after=new.prefill_after, grammar=grammar)
+        engine.add_checked(new.prompt_token_ids, new.params, new.request_id,
+                           new.arrival_time, new.prefill_after, grammar)
     except Exception as exc:  # noqa: BLE001 - checked by the front end; this one alone
         _reject(conn, new, exc)
 

@@ -10,7 +10,6 @@ grammar in the sampler (server/structured.py); tools and tool_choice by server/t
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from aiohttp import web
@@ -18,16 +17,14 @@ from aiohttp import web
 from tritonserve.engine import FinishReason
 
 from .async_engine import now
-from .common import (STATE, ApiError, check_chat_size, error_body, parse_body,
-                     sampling_params)
+from .common import STATE, ApiError, error_body, parse_body, sampling_params
 from .operators import request_id as caller_request_id
 from .driver import Choice, Payload, Renderer, respond
 from .schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIFields
 from .structured import structured_output
 from .chat_output import ChatOutput
-from .reasoning import END as REASONING_END
-from .reasoning import ReasoningSplitter
-from .tools import ToolPlan, tool_plan
+from .chat_prepare import prepare_chat
+from .tools import ToolPlan
 
 OPENAI_REASON = {FinishReason.EOS: "stop", FinishReason.STOP: "stop",
                  FinishReason.LENGTH: "length"}
@@ -274,37 +271,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, ChatCompletionRequest)
     check_model(state, body.model)
     _check_supported(body)
-    template = state.template
-    if body.chat_template is not None:
-        raise ApiError(400, "invalid_request", "a chat template is server configuration "
-                       "(--chat-template), never request data", "chat_template")
-    check_chat_size(body.messages, body.tools, state.engine.limits)
-    kwargs = template.kwargs_for(body.chat_template_kwargs, body.reasoning_effort)
-    plan = tool_plan(body.tools, body.tool_choice, template.tool_parser,
-                     body.parallel_tool_calls)
-    structured = structured_output(body)
-    forced = plan.structured() if plan is not None else None
-    if forced is not None and structured is not None:
-        raise ApiError(400, "invalid_request", "a required or named tool_choice cannot be "
-                       "combined with response_format", "tool_choice")
-    messages = [m.for_template() for m in body.messages]
-    prompt_ids, prompt_text = await state.engine.prompts.encode_chat(
-        messages, plan.tools if plan else None, template, kwargs)
-    max_tokens = body.max_completion_tokens
-    if max_tokens is None:  # OpenAI's default: whatever the context leaves
-        max_tokens = body.max_tokens or max(1, state.engine.card.max_model_len - len(prompt_ids))
-    top = body.top_logprobs if body.logprobs else None
-    params = sampling_params(body, (top or 0) if body.logprobs else None, max_tokens,
-                             forced or structured)
-    if params.structured is not None and template.reasoning_parser is not None \
-            and ReasoningSplitter(template.reasoning_parser, prompt_text).may_reason:
-        # the grammar applies to the answer, after the reasoning (as vLLM does)
-        end = await state.engine.prompts.encode(REASONING_END, "messages", False)
-        params = dataclasses.replace(params, structured_after=tuple(end))
+    chat = await prepare_chat(state, body)
     request_id = _start(request, "chatcmpl")
-    items = await state.engine.submit(request_id, [prompt_ids], params, arrival, body.n)
-    renderer = ChatRenderer(state, request_id, body, plan, len(prompt_ids), prompt_text,
-                            template.reasoning_parser)
+    items = await state.engine.submit(request_id, [chat.prompt_ids], chat.params, arrival,
+                                      body.n)
+    renderer = ChatRenderer(state, request_id, body, chat.plan, len(chat.prompt_ids),
+                            chat.prompt_text, chat.template.reasoning_parser)
     return await respond(request, request_id, items, renderer, body.stream)
 
 
