@@ -229,6 +229,48 @@ def test_a_stale_abort_never_ends_a_later_request_with_the_same_id(server):
     assert events[-1].type == "done", events
 
 
+def test_one_id_twice_while_its_grammar_compiles_is_refused_once(tiny_model):
+    """submit awaits the grammar's compile: a second request with the same X-Request-Id,
+    sent meanwhile, passed the route's check too and took over the first's stream. Now the
+    one that comes second to the engine gets a 400, and the other streams to its end."""
+    engine = LLMEngine(build_config(tiny_model))
+    compiling, release = threading.Semaphore(0), threading.Event()
+    compile_ = engine.grammars.compile
+
+    def slow_compile(grammar, spec):
+        compiling.release()
+        release.wait(60)
+        return compile_(grammar, spec)
+
+    engine.grammars.compile = slow_compile
+    srv = ServerThread(engine)
+    try:
+        body = {"prompt": "x", "max_tokens": 3, "guided_choice": ["yes", "no"]}
+        answers = []
+
+        def send() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+            conn.request("POST", "/v1/completions", json.dumps(body).encode(),
+                         {"Content-Type": "application/json", "X-Request-Id": "twice"})
+            response = conn.getresponse()
+            answers.append((response.status, response.read()))
+            conn.close()
+
+        senders = [threading.Thread(target=send) for _ in range(2)]
+        for sender in senders:
+            sender.start()
+        assert compiling.acquire(timeout=60) and compiling.acquire(timeout=60)  # both past
+        release.set()  # the route's check, both compiling
+        for sender in senders:
+            sender.join(60)
+        assert sorted(status for status, _ in answers) == [200, 400], answers
+        refused = next(raw for status, raw in answers if status == 400)
+        assert error_param(refused) == "X-Request-Id"
+    finally:
+        release.set()
+        srv.stop()
+
+
 def test_the_engine_drops_an_abort_for_an_id_it_does_not_run(tiny_model):
     from tritonserve.engine import LLM
     llm = LLM(tiny_model)

@@ -133,6 +133,9 @@ class AsyncEngine:
                                                   params.structured)
         if self.dead is not None:
             raise EngineUnavailableError(f"the engine is dead ({self.dead}); restart the server")
+        if grammar is not None and self.in_flight(request_id):  # taken while it compiled
+            raise InvalidRequestError("X-Request-Id", f"X-Request-Id {request_id!r} names a "
+                                      "request still in flight")
         if self.num_waiting + len(prompts) * n > self.max_waiting:
             raise OverloadedError(f"{self.num_waiting} requests are waiting "
                                   f"(--max-waiting {self.max_waiting})")
