@@ -60,6 +60,21 @@ def health_while(port: int, thread: threading.Thread) -> int:
     return answered
 
 
+def hold_compiles(engine) -> tuple[threading.Semaphore, threading.Event]:
+    """Every grammar compile of `engine` waits for the event: (a semaphore released as each
+    compile starts, the event)."""
+    compiling, release = threading.Semaphore(0), threading.Event()
+    compile_ = engine.grammars.compile
+
+    def held(grammar, spec):
+        compiling.release()
+        release.wait(60)
+        return compile_(grammar, spec)
+
+    engine.grammars.compile = held
+    return compiling, release
+
+
 def error_param(raw: bytes) -> str:
     return json.loads(raw)["error"]["param"]
 
@@ -85,20 +100,12 @@ def test_a_grammar_past_the_limits_is_refused_while_health_answers(server, body,
 def test_a_grammar_compiles_off_the_event_loop(tiny_model):
     """While a grammar compiles, /health answers: the compile runs on a worker thread."""
     engine = LLMEngine(build_config(tiny_model))
-    started, release = threading.Event(), threading.Event()
-    compile_ = engine.grammars.compile
-
-    def slow_compile(grammar, spec):
-        started.set()
-        release.wait(60)
-        return compile_(grammar, spec)
-
-    engine.grammars.compile = slow_compile
+    compiling, release = hold_compiles(engine)
     srv = ServerThread(engine)
     try:
         thread, answer = send_in_background(srv.port, "/v1/completions", {
             "prompt": "x", "max_tokens": 3, "guided_choice": ["yes", "no"]})
-        assert started.wait(60)
+        assert compiling.acquire(timeout=60)
         assert request(srv.port, "GET", "/health", timeout=15)[0] == 200
         assert not release.is_set() and thread.is_alive()  # answered mid-compile
         release.set()
@@ -112,9 +119,7 @@ def test_a_grammar_compiles_off_the_event_loop(tiny_model):
 
 def test_a_grammar_past_the_time_limit_gets_400_naming_its_field(tiny_model):
     engine = LLMEngine(build_config(tiny_model, grammar_timeout=0.5))
-    release = threading.Event()
-    compile_ = engine.grammars.compile
-    engine.grammars.compile = lambda g, spec: (release.wait(60), compile_(g, spec))[1]
+    _, release = hold_compiles(engine)
     srv = ServerThread(engine)
     try:
         status, _, raw = request(srv.port, "POST", "/v1/completions", {
@@ -234,15 +239,7 @@ def test_one_id_twice_while_its_grammar_compiles_is_refused_once(tiny_model):
     sent meanwhile, passed the route's check too and took over the first's stream. Now the
     one that comes second to the engine gets a 400, and the other streams to its end."""
     engine = LLMEngine(build_config(tiny_model))
-    compiling, release = threading.Semaphore(0), threading.Event()
-    compile_ = engine.grammars.compile
-
-    def slow_compile(grammar, spec):
-        compiling.release()
-        release.wait(60)
-        return compile_(grammar, spec)
-
-    engine.grammars.compile = slow_compile
+    compiling, release = hold_compiles(engine)
     srv = ServerThread(engine)
     try:
         body = {"prompt": "x", "max_tokens": 3, "guided_choice": ["yes", "no"]}
