@@ -13,7 +13,7 @@ import functools
 from .errors import InvalidRequestError
 from .limits import RequestLimits
 from .sampling_params import SamplingParams
-from .structured import Grammars, check, parse
+from .structured import Grammars, check
 
 
 class RequestChecker:
@@ -77,4 +77,4 @@ class RequestChecker:
         """The request's grammar compiled here (None without one): for callers with no
         worker to run it on (the offline API)."""
         spec = params.structured
-        return None if spec is None else self.grammars.compile(parse(spec), spec)
+        return None if spec is None else self.grammars.compile_spec(spec)

@@ -123,7 +123,7 @@ class Grammars:
             raise _bad(spec, exc) from None
 
     def compile_spec(self, spec: StructuredOutput):
-        """parse then compile, in the calling thread (the offline API, bench grammar)."""
+        """parse then compile, in the calling thread (a grammar worker, the offline API)."""
         return self.compile(parse(spec), spec)
 
     @staticmethod

@@ -34,7 +34,7 @@ from tritonserve.engine import (EngineDeadError, GenerationStep, InvalidRequestE
                                 SamplingParams)
 from tritonserve.engine.limits import RequestLimits
 from tritonserve.engine.sampling_params import SEED_LIMIT
-from tritonserve.engine.structured import StructuredOutput, parse
+from tritonserve.engine.structured import StructuredOutput
 
 from .engine_card import EngineStats, EngineView, ModelCard, card_of, stats_of
 from .grammar_jobs import GrammarJobs
@@ -163,7 +163,7 @@ class AsyncEngine:
     def _grammar(self, spec: StructuredOutput):
         """On a grammar worker: what NewRequest.grammar carries to this host's engine (the
         compiled grammar; server/dp_engine.py sends the parsed one instead)."""
-        return self.engine.grammars.compile(parse(spec), spec)
+        return self.engine.grammars.compile_spec(spec)
 
     def in_flight(self, request_id: str) -> bool:
         """A request (or one of its n choices, `id-k`) with this id has not ended in the
