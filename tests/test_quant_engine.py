@@ -170,7 +170,9 @@ def test_the_default_serves_its_blocks_and_bf16_panels_past_eight_rows():
     runner = llm.engine.runner
     assert (runner.plan.weights, runner.plan.dense_above) == ("gguf", 8)
     assert "steps of up to 8 rows; bf16 panels above" in runner.plan.describe()
-    assert runner._model_for(8) is runner.model and runner._model_for(9) is runner.dense_model
+    assert runner.plan.max_rows == 4  # bf16 blocks: speculative.BF16_INVARIANT_ROWS
+    weights = runner.weights  # engine/weights.py
+    assert weights.model_for(8) is runner.model and weights.model_for(9) is weights.dense
     calls = {"quantized": [], "dense": []}
     quantized, dense = runner.decode_step, runner.dense_decode_step
     runner.decode_step = lambda ids, *a: calls["quantized"].append(len(ids)) or quantized(ids, *a)

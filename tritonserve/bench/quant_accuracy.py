@@ -55,7 +55,7 @@ def window_logprobs(model: str | None, quantization: str, dtype: str,
             engine.step()
         hidden = captured[0]  # the prefill: every position
         with torch.inference_mode():
-            logits = runner._model_for(hidden.shape[0]).compute_logits(hidden).float()
+            logits = runner.weights.model_for(hidden.shape[0]).compute_logits(hidden).float()
         out.append(torch.log_softmax(logits, dim=-1))
     return out
 

@@ -14,7 +14,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer
 
 from .config import EngineConfig
@@ -30,7 +29,7 @@ from .request_check import RequestChecker
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .speculative import BF16_INVARIANT_ROWS, NgramProposer, SpecStats, record_acceptance
+from .speculative import NgramProposer, SpecStats, record_acceptance
 from .structured import Grammars
 from .resolve import resolved
 from .tp_runner import make_runner
@@ -62,12 +61,9 @@ class LLMEngine:
         spec = config.speculative
         proposer = (NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
                     if spec.method == "ngram" else None)
-        plan = self.runner.plan
-        rows = plan.dense_above or 1 << 30  # past it a step runs the dense copy's weights
-        if config.torch_dtype == torch.bfloat16 and plan.quantized:
-            rows = min(rows, BF16_INVARIANT_ROWS)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, proposer, spec.max_batch,
-                                   self.max_model_len, rows, spec.min_acceptance)
+                                   self.max_model_len, self.runner.plan.max_rows,
+                                   spec.min_acceptance)
         self.spec_stats = SpecStats()
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -1,7 +1,6 @@
 """Turns a SchedulerOutput into one forward pass over a flattened token batch, and samples."""
 from __future__ import annotations
 
-import copy
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -19,14 +18,13 @@ from .decode_graphs import DecodeGraphs, bucket_sizes
 from .memory import DeviceMemory
 from .models import ForwardContext, ModelArch, build_model
 from .models.compressed import read_compressed, scheme_of
-from .models.gguf import read_quantized_cached, types_of
-from .models.linear import has_form
 from .parallel import Shard
 from .plan import resolve_plan
 from .request import Request
 from .sampler import SampledToken, Sampler
 from .scheduler import ScheduledRequest, SchedulerOutput
 from .speculative import verify
+from .weights import put_in_form
 
 
 def _phase(name: str):
@@ -34,10 +32,6 @@ def _phase(name: str):
     records (record_function costs ~7 us a range when none does: four a step)."""
     return record_function(name) if _profiler_enabled() else nullcontext()
 
-
-# the plan's weights quantized at load -> the packed kind and group (kernels/quant_layout.py)
-QUANTIZED_AT_LOAD = {"int4": ("u4", 32), "int4-g64": ("u4", 64), "int4-g128": ("u4", 128),
-                     "int8": ("s8", 32)}
 
 log = logging.getLogger("tritonserve.engine")
 
@@ -80,32 +74,9 @@ class ModelRunner:
         del dense
         if shard.size > 1:
             self.model.reduce_row_parallel(shard.all_reduce)
-        form = self.plan.weights
-        # the dense panels beside quantized weights (plan.dense_above): a copy made before
-        # the quantized weights replace the projections, sharing the embedding table
-        self.dense_model = None
-        if self.plan.dense_above:
-            table = self.model.embed_tokens
-            self.dense_model = copy.deepcopy(self.model, memo={id(table): table})
-            self.dense_model.prepack_weights("panels", config.scheduler.max_num_seqs)
-            self.dense_model.gather_streamed_weights()
-        if form == "gguf":
-            # auto: a tensor with no block form is served dense; asked by name, refused
-            tensors = read_quantized_cached(gguf, arch.num_heads, arch.num_kv_heads, folder,
-                                            strict=config.quantization == "gguf")
-            self.model.load_quantized(tensors)
-            log.info("quantized weights from %s: %s", gguf.name, types_of(tensors))
-        elif form == "compressed-tensors":
-            self.model.load_quantized(packed)
-            log.info("quantized weights from %s: %s", scheme.describe(), types_of(packed))
-        elif form in QUANTIZED_AT_LOAD:
-            self.model.quantize_weights(*QUANTIZED_AT_LOAD[form])
-        if form in ("gguf", "compressed-tensors") or form in QUANTIZED_AT_LOAD:
-            # the projections left dense
-            form = "panels" if has_form("panels", config.torch_dtype) else "plain"
-        self.model.prepack_weights(form, batch_hint=config.scheduler.max_num_seqs)
-        if self.device.type == "cpu":
-            self.model.gather_streamed_weights()
+        self.weights = put_in_form(self.model, self.plan.weights, self.plan.dense_above,
+                                   config, arch, gguf, folder, packed, scheme)
+        del packed
         self.backend = make_attention_backend(self.plan.attention)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -189,8 +160,8 @@ class ModelRunner:
         if self.plan.mode == "layers":
             self.decode_step = self.model.decode_layers(self.block_size)
             self.decode_max_batch = config.scheduler.max_num_seqs
-            if self.dense_model is not None:
-                self.dense_decode_step = self.dense_model.decode_layers(self.block_size)
+            if self.weights.dense is not None:
+                self.dense_decode_step = self.weights.dense.decode_layers(self.block_size)
         elif self.plan.mode != "eager":
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend,
                                        null_block=self.num_blocks, block_size=self.block_size,
@@ -252,7 +223,7 @@ class ModelRunner:
             return {}
         with _phase("logits"):
             rows = hidden[model_input.sample_indices]
-            logits = self._model_for(rows.shape[0]).compute_logits(rows)  # [S, V]
+            logits = self.weights.model_for(rows.shape[0]).compute_logits(rows)  # [S, V]
         out: dict[str, list[SampledToken]] = {}
         with _phase("sampler"):
             count = len(model_input.sample_requests)
@@ -268,17 +239,11 @@ class ModelRunner:
         """hidden [T, hidden]: the plan's decode step for a decode-only step it takes, else
         the model op by op."""
         n = model_input.input_ids.shape[0]
-        model = self._model_for(n)
+        model = self.weights.model_for(n)
         step = self.decode_step if model is self.model else self.dense_decode_step
         if step is not None and model_input.meta.num_decode_tokens == n <= self.decode_max_batch:
             return step(model_input.input_ids, model_input.positions, ctx)
         return model(model_input.input_ids, model_input.positions, ctx)
-
-    def _model_for(self, rows: int):
-        """The model whose weights a step of `rows` rows runs (plan.dense_above)."""
-        if self.dense_model is not None and rows > self.plan.dense_above:
-            return self.dense_model
-        return self.model
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInput:
         """Decode rows first, then prefill chunks. A speculating request is K + 1 decode rows

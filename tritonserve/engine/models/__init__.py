@@ -1,6 +1,7 @@
-from .arch import SUPPORTED_ARCHITECTURES, ModelArch
+from .arch import ModelArch
 from .decoder import DecoderForCausalLM, ForwardContext
+from .family import FAMILIES, family_for, supported_architectures
 from .loader import WeightLoadError, build_model, load_weights
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelArch", "DecoderForCausalLM", "ForwardContext",
-           "WeightLoadError", "build_model", "load_weights"]
+__all__ = ["FAMILIES", "ModelArch", "DecoderForCausalLM", "ForwardContext", "WeightLoadError",
+           "build_model", "family_for", "load_weights", "supported_architectures"]

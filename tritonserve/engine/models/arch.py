@@ -1,4 +1,5 @@
-"""The model's architecture, read from a Hugging Face config.json into one typed record."""
+"""The model's architecture, read from a Hugging Face config.json into one typed record: the
+shapes, and the variant its family (engine/models/family.py) reads from the config."""
 from __future__ import annotations
 
 import json
@@ -8,25 +9,16 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
-
-_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-
-def _sliding_window(config: dict) -> int | None:
-    """Mistral sets `sliding_window` (null when off); Qwen2 / Qwen3 only use theirs when
-    `use_sliding_window` is true."""
-    window = config.get("sliding_window")
-    if config.get("model_type") in ("qwen2", "qwen3") or "use_sliding_window" in config:
-        window = window if config.get("use_sliding_window") else None
-    return int(window) if window else None
+from .family import DecoderVariant, family_for
 
 
 @dataclass(frozen=True)
 class ModelArch:
+    """The decoder's shapes and its family's variant (engine/models/family.py)."""
+
     architecture: str
+    family: str
+    variant: DecoderVariant
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -38,12 +30,25 @@ class ModelArch:
     rope_theta: float
     rope_scaling: dict | None
     max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None  # attention window when the model uses one
     torch_dtype: str | None = None  # the checkpoint's dtype, as config.json names it
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.variant.tied_head
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.variant.qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.variant.qk_norm is not None
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The widest attention window of any layer (None: every layer sees everything)."""
+        return self.variant.widest_window
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelArch":
@@ -57,23 +62,19 @@ class ModelArch:
 
     @classmethod
     def from_dict(cls, config: dict, eos: int | list[int] | None = None) -> "ModelArch":
-        archs = config.get("architectures") or [_BY_MODEL_TYPE.get(config.get("model_type"))]
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(f"unsupported architectures {archs}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act must be silu, got {config['hidden_act']!r}")
+        family = family_for(config)
+        arch = next((a for a in config.get("architectures") or ()
+                     if a in family.architectures), family.architectures[0])
+        variant = family.variant(config)
         num_heads = config["num_attention_heads"]
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         rope_theta = rope.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3", "linear"):
-            raise ValueError(f"rope type {rope_type!r} is not supported")
         eos = config.get("eos_token_id") if eos is None else eos
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             architecture=arch,
+            family=family.name,
+            variant=variant,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
@@ -83,13 +84,9 @@ class ModelArch:
             head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            rope_scaling=rope if rope_type != "default" else None,
+            rope_scaling=rope if variant.rope_kind != "default" else None,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=eos_ids,
-            sliding_window=_sliding_window(config),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
         )
 
@@ -113,10 +110,11 @@ class ModelArch:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
-def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in fp32, with Llama 3 or linear scaling applied."""
+def rope_inv_freq(arch: ModelArch, base: float | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in fp32 for `base` (None: arch.rope_theta), with
+    Llama 3 or linear scaling applied."""
     d = arch.head_dim
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv_freq = 1.0 / ((base or arch.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     scaling = arch.rope_scaling
     if not scaling:
         return inv_freq

@@ -1,8 +1,8 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened token batch.
+"""The generic decoder over a flattened token batch: Llama's layer, with each way a family
+differs read from its DecoderVariant (engine/models/family.py: norm placement, activation,
+q/k norms, qkv bias, rope base per layer, embedding scale, tied head, logit soft-cap).
 
-Projections are fused: one qkv matmul and one gate/up matmul per layer. Differences between
-the families are flags on ModelArch: qkv bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied
-embeddings, rope scaling.
+Projections are fused: one qkv matmul and one gate/up matmul per layer.
 """
 from __future__ import annotations
 
@@ -47,9 +47,10 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) rope with a precomputed cos/sin table."""
 
-    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+    def __init__(self, arch: ModelArch, max_positions: int, base: float | None = None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(arch)  # [head_dim/2]
+        self.base = base
+        inv_freq = rope_inv_freq(arch, base)  # [head_dim/2]
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -106,6 +107,7 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
+        self.activation = arch.variant.activation
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
@@ -115,32 +117,52 @@ class MLP(nn.Module):
         return self.gate_up_proj.silu_in_matmul
 
     def fuse_silu(self) -> bool:
-        return self.gate_up_proj.fuse_silu()
+        return self.activation == "silu" and self.gate_up_proj.fuse_silu()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)
-        return self.down_proj(h if self.silu_in_matmul else ops.silu_and_mul(h))
+        if self.silu_in_matmul:
+            return self.down_proj(h)
+        if self.activation == "silu":
+            return self.down_proj(ops.silu_and_mul(h))
+        gate, up = h.chunk(2, dim=-1)
+        return self.down_proj(torch.nn.functional.gelu(gate, approximate="tanh") * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, layer_index: int) -> None:
         super().__init__()
+        variant = arch.variant
+        self.placement = variant.norm_placement
+        bases = variant.rope_bases
+        self.rope_base = bases[layer_index] if bases else arch.rope_theta
         self.self_attn = Attention(arch, layer_index)
         self.mlp = MLP(arch)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm_names = variant.norm_names()
+        for name in self.norm_names:  # by the checkpoint's names (loader.py)
+            setattr(self, name, RMSNorm(arch.hidden_size, arch.rms_norm_eps))
 
     def forward(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's MLP output, residual: the stream before it (None for the
-        first layer, whose x is the embedding) -> this layer's (MLP output, residual)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(rope, h, ctx)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        """x: the previous layer's last sublayer output, residual: the stream before it
+        (None for the first layer, whose x is the embedding) -> this layer's (last sublayer
+        output, residual); the stream after the layer is their sum."""
+        if self.placement == "pre":  # the residual add fused into the norms
+            if residual is None:
+                residual, h = x, self.input_layernorm(x)
+            else:
+                h, residual = self.input_layernorm(x, residual)
+            h = self.self_attn(rope, h, ctx)
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(h), residual
+        stream = x if residual is None else x + residual
+        if self.placement == "post":
+            stream = stream + self.post_attention_layernorm(self.self_attn(rope, stream, ctx))
+            return self.post_feedforward_layernorm(self.mlp(stream)), stream
+        h = self.self_attn(rope, self.input_layernorm(stream), ctx)  # sandwich
+        stream = stream + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(stream))
+        return self.post_feedforward_layernorm(h), stream
 
 
 class DecoderForCausalLM(nn.Module):
@@ -151,6 +173,13 @@ class DecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rope = RotaryEmbedding(arch, max_positions)
+        # a family with a rope base per layer: a table for each other base; a layer's
+        # rope_slot indexes them (-1: self.rope)
+        bases = sorted({layer.rope_base for layer in self.layers} - {arch.rope_theta})
+        self.other_ropes = nn.ModuleList(RotaryEmbedding(arch, max_positions, base)
+                                         for base in bases)
+        for layer in self.layers:
+            layer.rope_slot = bases.index(layer.rope_base) if layer.rope_base in bases else -1
         if not arch.tie_word_embeddings:
             self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_tied_lm_head: torch.Tensor | None = None  # set by prepack_weights
@@ -163,7 +192,7 @@ class DecoderForCausalLM(nn.Module):
         if form == "plain":
             return
         for module in self.modules():  # an MLP comes before its Linears
-            if isinstance(module, MLP) and form == "panels":
+            if isinstance(module, MLP) and form == "panels":  # silu only (MLP.fuse_silu)
                 module.fuse_silu()
             elif isinstance(module, Linear):
                 module.pack(form, batch_hint)
@@ -253,13 +282,13 @@ class DecoderForCausalLM(nn.Module):
         linears = [m for layer in self.layers for m in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
             layer.mlp.down_proj)]
-        if (op is None or arch.qk_norm
+        if (op is None or arch.variant.layers_op_refusal()
                 or any(layer.mlp.silu_in_matmul != (dtype == torch.bfloat16 and weight_form(
                     layer.mlp.gate_up_proj.weight) == "panels") for layer in self.layers)
                 or any(weight_form(lin.weight) not in ("panels", "quant") for lin in linears)):
             raise ValueError("decode_layers: the model is not in the layers plan's state "
                              "(C++ panels or quantized panels, bf16 dense gate/up with its "
-                             "activation, no q/k norms)")
+                             "activation, Llama's layer: DecoderVariant.layers_op_refusal)")
         norms = [n.weight for layer in self.layers
                  for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         panels = [lin.weight for lin in linears]
@@ -287,16 +316,24 @@ class DecoderForCausalLM(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden]"""
         x = self.embed_tokens(input_ids)
+        variant = self.arch.variant
+        if variant.embedding_scale != 1.0:  # in the dtype, as Gemma's reference scales
+            x = x * torch.tensor(variant.embedding_scale, dtype=x.dtype)
         rope = self.rope.lookup(positions, x.dtype)
+        tables = [table.lookup(positions, x.dtype) for table in self.other_ropes]
         residual = None
         for layer in self.layers:
-            x, residual = layer(rope, x, residual, ctx)
+            x, residual = layer(rope if layer.rope_slot < 0 else tables[layer.rope_slot], x,
+                                residual, ctx)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab]"""
         if not self.arch.tie_word_embeddings:
-            return self.lm_head(hidden)
-        head = self.packed_tied_lm_head
-        return linear(hidden, self.embed_tokens.weight if head is None else head,
-                      out_features=self.arch.vocab_size)
+            logits = self.lm_head(hidden)
+        else:
+            head = self.packed_tied_lm_head
+            logits = linear(hidden, self.embed_tokens.weight if head is None else head,
+                            out_features=self.arch.vocab_size)
+        cap = self.arch.variant.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -35,21 +35,20 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 import torch
 
 from tritonserve.kernels import quant_layout
 
+from .family import FAMILIES, LLAMA_GGUF_NAMES
+
 # GGML block types served as they are: (kind, block bytes, values a block)
 SERVED = {"Q8_0": ("s8", 34, 32), "Q5_0": ("s8", 22, 32), "Q4_0": ("u4", 18, 32),
           "Q4_1": ("u4", 20, 32), "Q4_K": ("u4", 144, 256), "Q6_K": ("s8h", 210, 256),
           "Q5_1": ("s8hm", 24, 32), "Q5_K": ("s8hm", 176, 256)}
 DENSE = ("F32", "F16", "BF16")  # norms, biases: read through the converted folder
-
-_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
 class GGUFError(ValueError):
@@ -67,15 +66,16 @@ class QuantTensor:
     shape: tuple[int, int]
 
 
-def hf_name(name: str) -> str | None:
-    """A GGUF tensor name -> the Hugging Face one (None: not a projection or embedding)."""
+def hf_name(name: str, names: Mapping[str, str] = LLAMA_GGUF_NAMES) -> str | None:
+    """A GGUF tensor name -> the Hugging Face one (None: not a projection or embedding);
+    names: the family's block names (family.py: ModelFamily.gguf_names)."""
     if name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if name == "output.weight":
         return "lm_head.weight"
     found = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
-    if found and found.group(2) in _NAMES:
-        return f"model.layers.{found.group(1)}.{_NAMES[found.group(2)]}.weight"
+    if found and found.group(2) in names:
+        return f"model.layers.{found.group(1)}.{names[found.group(2)]}.weight"
     return None
 
 
@@ -190,19 +190,21 @@ class Served(dict):
         self.skipped = skipped
 
 
-def read_quantized(path: str | Path, num_heads: int, num_kv_heads: int, strict: bool = True
-                   ) -> Served:
-    """Every quantized projection and embedding of the file by its Hugging Face name, packed.
-    A tensor in a type not served: strict raises GGUFError naming the tensor and type; else it
-    is left out (served dense from the converted folder) and listed in `skipped`."""
+def read_quantized(path: str | Path, num_heads: int, num_kv_heads: int, strict: bool = True,
+                   family: str = "llama") -> Served:
+    """Every quantized projection and embedding of the file by its Hugging Face name, packed;
+    q and k rows put back in rope order where the family's converter permuted them. A tensor
+    in a type not served: strict raises GGUFError naming the tensor and type; else it is left
+    out (served dense from the converted folder) and listed in `skipped`."""
     import gguf
 
+    family = FAMILIES[family]
     reader = gguf.GGUFReader(str(path))
     out: dict[str, QuantTensor] = {}
     skipped: dict[str, str] = {}
     for tensor in reader.tensors:
         type_name = tensor.tensor_type.name
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, family.gguf_names)
         if type_name in DENSE or name is None:
             continue
         if type_name not in SERVED:
@@ -213,7 +215,8 @@ def read_quantized(path: str | Path, num_heads: int, num_kv_heads: int, strict: 
         k, n = (int(s) for s in tensor.shape)  # GGUF lists the row length first
         parsed = parse_blocks(type_name, tensor.data, n, k)
         heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
-        if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+        if family.gguf_rope_permuted and (".attn_q." in tensor.name
+                                          or ".attn_k." in tensor.name):
             parsed = tuple(None if t is None else unpermute_rows(t, heads) for t in parsed)
         kind = SERVED[type_name][0]
         out[name] = QuantTensor(type_name, kind, pack_parsed(type_name, parsed), (n, k))
@@ -231,7 +234,8 @@ def _file_key(path: Path) -> str:
 
 
 def read_quantized_cached(path: str | Path, num_heads: int, num_kv_heads: int,
-                          folder: Path | None, strict: bool = True) -> Served:
+                          folder: Path | None, strict: bool = True,
+                          family: str = "llama") -> Served:
     """read_quantized, kept in `folder` (the file's converted folder; None: not kept): a later
     call for the same file (size, mtime) and layout version maps the packed panels back."""
     from safetensors import safe_open
@@ -249,7 +253,7 @@ def read_quantized_cached(path: str | Path, num_heads: int, num_kv_heads: int,
                     raise _not_served(path, *next(iter(skipped.items())))
                 return Served({name: QuantTensor(t, kind, f.get_tensor(name), tuple(shape))
                                for name, (t, kind, shape) in info.items()}, skipped)
-    tensors = read_quantized(path, num_heads, num_kv_heads, strict)
+    tensors = read_quantized(path, num_heads, num_kv_heads, strict, family)
     if cached is not None:
         tmp = None
         try:  # written beside, renamed into place: a reader never sees half a file

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..parallel import Shard
 from .arch import ModelArch
-from .decoder import DecoderForCausalLM, RotaryEmbedding
+from .decoder import DecoderForCausalLM, RMSNorm, RotaryEmbedding
 
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -66,8 +66,8 @@ def checkpoint_slots(model: DecoderForCausalLM) -> dict[str, WeightSlot]:
         slots[f"{p}mlp.gate_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, 0, inter, 0)
         slots[f"{p}mlp.up_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, inter, inter, 0)
         whole(f"{p}mlp.down_proj.weight", mlp.down_proj.weight, split=1)
-        whole(f"{p}input_layernorm.weight", layer.input_layernorm.weight)
-        whole(f"{p}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+        for norm in layer.norm_names:  # the variant's placement (family.py: norm_names)
+            whole(f"{p}{norm}.weight", getattr(layer, norm).weight)
     return slots
 
 
@@ -166,6 +166,11 @@ def load_weights(model: DecoderForCausalLM, folder: str | Path,
         problems.append(f"mis-shaped tensors: {mis_shaped[:8]}")
     if problems:
         raise WeightLoadError(f"cannot load {folder}: " + "; ".join(problems))
+    offset = model.arch.variant.norm_offset
+    if offset:  # each norm scales by offset + weight: folded in once (family.py)
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.add_(offset)
 
 
 @torch.no_grad()
@@ -199,6 +204,8 @@ def build_model(arch: ModelArch, folder: str | Path | None, dtype: torch.dtype,
             setattr(module, name, nn.Parameter(
                 torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False))
     model.rope = RotaryEmbedding(arch, max_positions).to(device)  # the fp32 cos/sin table
+    model.other_ropes = nn.ModuleList(RotaryEmbedding(arch, max_positions, r.base).to(device)
+                                      for r in model.other_ropes)
     if dummy:
         init_dummy_weights(model, seed)
     else:
