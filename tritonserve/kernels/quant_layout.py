@@ -19,15 +19,50 @@ Panels of 16 output rows, records of 32 k: uint8 [ceil(N / 16), K / 32, 320 (u4)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 COLS = 16
 GROUP = 32
-RECORD_BYTES = {"u4": 64 + 256, "s8": 32 + 512, "s8h": 64 + 512, "s8hm": 96 + 512}
-CODES_AT = {"s8": 32, "s8h": 64, "s8hm": 96}  # where an s8 kind's codes start in a record
-HALVED = ("s8h", "s8hm")  # the kinds with a scale a half group
-OFFSET = ("u4", "s8hm")  # the kinds with an offset m a group
 HALF = 16  # k a sub-block scale of the HALVED kinds
+
+
+@dataclass(frozen=True)
+class QuantKind:
+    """One packed kind, named: the C++ op (kernels/cpu/panels_quant.h's Kind and its
+    quant_kinds() table) and the Triton kernel (kernels/triton/quant_matmul.py's constexprs)
+    take these fields from here; tests/test_quant_kinds.py fails where a side disagrees.
+    id: the kind's number in both; code_bits: 4 (unsigned 0..15) or 8 (int8); record_bytes: a
+    32-k record of a 16-column panel; codes_at: where its codes start in the record (after
+    d, the offsets m and the half-group scales s); halves: scales a group (2: an int8 scale
+    every 16 k under d); offset: an fp16 m a group. gguf: the GGUF block types it serves."""
+
+    name: str
+    id: int
+    code_bits: int
+    record_bytes: int
+    codes_at: int
+    halves: int
+    offset: bool
+    gguf: tuple[str, ...]
+
+    @property
+    def header_bytes(self) -> int:
+        """d, then m where the kind has it, then the half-group scales: 2 bytes a column
+        each for d and m, one a column a half for s."""
+        return 2 * COLS * (1 + self.offset) + (COLS * self.halves if self.halves > 1 else 0)
+
+
+KINDS = (QuantKind("u4", 0, 4, 64 + 256, 64, 1, True, ("Q4_0", "Q4_1", "Q4_K")),
+         QuantKind("s8", 1, 8, 32 + 512, 32, 1, False, ("Q8_0", "Q5_0")),
+         QuantKind("s8h", 2, 8, 64 + 512, 64, 2, False, ("Q6_K",)),
+         QuantKind("s8hm", 3, 8, 96 + 512, 96, 2, True, ("Q5_1", "Q5_K")))
+BY_NAME = {k.name: k for k in KINDS}
+RECORD_BYTES = {k.name: k.record_bytes for k in KINDS}
+CODES_AT = {k.name: k.codes_at for k in KINDS if k.code_bits == 8}  # the s8 kinds' codes
+HALVED = tuple(k.name for k in KINDS if k.halves == 2)  # a scale a half group
+OFFSET = tuple(k.name for k in KINDS if k.offset)  # an offset m a group
 _KINDS = {size: kind for kind, size in RECORD_BYTES.items()}  # kind_of runs once a matmul call
 
 

@@ -118,6 +118,8 @@ OPS: tuple[tuple[str, object, str], ...] = (
     ("decode_layers_timing", None, "(on): decode_layers' per-thread phase timing"),
     ("decode_layers_phases", None, "() -> (seconds [threads, phases, 2], calls)"),
     ("isa_levels", None, "() -> the build's ISA levels, comma-separated (isa.h)"),
+    ("quant_kinds", None, "() -> int64 [kinds, 6]: id, code bits, record bytes, codes_at, "
+     "scales a group, offset as this build reads each (kernels/quant_layout.py's KINDS)"),
     ("core_to_core_ns", None,
      "(trips) -> a cache line's one-way trip between two threads, ns (machine_probe.cpp)"),
 )

@@ -114,10 +114,26 @@ torch::Tensor packed_linear_quant(const torch::Tensor& x, const torch::Tensor& w
   return bf16 ? linear_bf16(x, kind, weight, N, b) : linear_fp32(x, kind, weight, N, b);
 }
 
+// The kinds as this build reads them, a row each: id, code bits, record bytes, codes_at,
+// scales a group, offset (tests/test_quant_kinds.py holds them to kernels/quant_layout.py)
+torch::Tensor quant_kinds() {
+  const int64_t n = sizeof(kKinds) / sizeof(kKinds[0]);
+  torch::Tensor out = torch::empty({n, 6}, torch::kInt64);
+  auto t = out.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < n; ++i) {
+    const Kind kind = kKinds[i];
+    const int64_t row[6] = {static_cast<int64_t>(kind), code_bits(kind), record_bytes(kind),
+                            codes_at(kind), halves(kind), has_offset(kind)};
+    for (int j = 0; j < 6; ++j) t[i][j] = row[j];
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tritonserve, m) {
   m.def("packed_linear_quant(Tensor x, Tensor weight, int n, Tensor? bias) -> Tensor");
+  m.def("quant_kinds() -> Tensor", &quant_kinds);
 }
 
 TORCH_LIBRARY_IMPL(tritonserve, CPU, m) {

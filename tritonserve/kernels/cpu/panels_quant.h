@@ -57,17 +57,22 @@ constexpr int64_t kFp32Ahead = 8;
 // (2 threads, Zen 4) 2.09 -> 1.85 ms a pass, 31.7 -> 36 GB/s.
 constexpr int kSplit = 4;
 
-enum class Kind { kU4, kS8, kS8H, kS8HM };
+// The kinds by their ids in kernels/quant_layout.py's KINDS table (which quant_kinds() in
+// linear_quant.cpp hands back, field by field, for tests/test_quant_kinds.py to compare)
+enum class Kind { kU4 = 0, kS8 = 1, kS8H = 2, kS8HM = 3 };
+constexpr Kind kKinds[] = {Kind::kU4, Kind::kS8, Kind::kS8H, Kind::kS8HM};
 
 constexpr int64_t record_bytes(Kind kind) {
   return kind == Kind::kU4 ? kU4Bytes : kind == Kind::kS8 ? kS8Bytes
                                       : kind == Kind::kS8H ? kS8HBytes : kS8HMBytes;
 }
-// where an s8 kind's codes start in its record; its scale groups a record (the int8 scales
-// s sit in the 32 bytes before the codes); whether it has an offset m (at byte 32)
+// where a kind's codes start in its record (u4: its words; an s8 kind with half-group scales
+// keeps the int8 scales s in the 32 bytes before the codes); its code bits; its scale groups
+// a record; whether it has an offset m (at byte 32)
 constexpr int64_t codes_at(Kind kind) {
-  return kind == Kind::kS8H ? 64 : kind == Kind::kS8HM ? 96 : 32;
+  return kind == Kind::kS8 ? 32 : kind == Kind::kS8HM ? 96 : 64;
 }
+constexpr int code_bits(Kind kind) { return kind == Kind::kU4 ? 4 : 8; }
 constexpr int halves(Kind kind) { return kind == Kind::kS8H || kind == Kind::kS8HM ? 2 : 1; }
 constexpr bool has_offset(Kind kind) { return kind == Kind::kU4 || kind == Kind::kS8HM; }
 

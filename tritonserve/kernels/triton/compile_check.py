@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from .decode_attention import MAX_SPLITS, _decode_kernel, _merge_splits_kernel  # noqa: E402
 from .kv_cache_write import _store_kv_kernel  # noqa: E402
 from .prefill_attention import _prefill_kernel, tuning_space  # noqa: E402
-from .quant_matmul import KINDS, _quant_matmul_kernel, block_shape  # noqa: E402
+from .quant_matmul import KINDS, _quant_matmul_kernel, block_shape, kernel_args  # noqa: E402
 from .sampling import _BISECTION_STEPS, _ONE_BITS_PLUS_ONE, _sample_kernel  # noqa: E402
 
 I32_ARGS = ("stride_qs", "stride_qh", "stride_bts", "stride_cb", "stride_ct", "stride_ch",
@@ -93,7 +93,7 @@ def variants():
                        _quant_matmul_kernel,
                        {"x_ptr": f"*{dtype}", "w8_ptr": "*i8", "w16_ptr": "*fp16",
                         "w32_ptr": "*i32", "bias_ptr": "*fp32", "out_ptr": f"*{dtype}"}, {},
-                       dict(KIND=KINDS[kind], HAS_BIAS=rows == 1, BLOCK_M=block_m,
+                       dict(**kernel_args(kind), HAS_BIAS=rows == 1, BLOCK_M=block_m,
                             BLOCK_N=block_n, FP32=False, PRECISION="tf32"), {})
     for rows, block_v in ((1, 4096), (16, 1024)):
         yield (f"sample rows{rows} chunk{block_v}", _sample_kernel,

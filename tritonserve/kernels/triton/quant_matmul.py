@@ -27,7 +27,8 @@ from ._common import compute_in_fp32, dot_precision
 
 @triton.jit
 def _quant_matmul_kernel(x_ptr, w8_ptr, w16_ptr, w32_ptr, bias_ptr, out_ptr, M, N, K,
-                         stride_xm, stride_om, KIND: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         stride_xm, stride_om, KIND: tl.constexpr, RECORD: tl.constexpr,
+                         CODES_AT: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr,
                          PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -40,9 +41,10 @@ def _quant_matmul_kernel(x_ptr, w8_ptr, w16_ptr, w32_ptr, bias_ptr, out_ptr, M, 
     col = offs_n % 16
     k = tl.arange(0, 32)
     groups = K // 32
-    # KIND 0: u4, 1: s8, 2: s8h, 3: s8hm (KINDS below)
-    record: tl.constexpr = 320 if KIND == 0 else 544 if KIND == 1 else 576 if KIND == 2 else 608
-    codes_at: tl.constexpr = 32 if KIND == 1 else 64 if KIND == 2 else 96
+    # KIND, RECORD, CODES_AT: the kind's id, record bytes and codes' start, from
+    # quant_layout.KINDS (kernel_args): 0 u4, 1 s8, 2 s8h, 3 s8hm
+    record = RECORD
+    codes_at = CODES_AT
     # u4: k = 8 b + 2 i + h sits in block b's word of the column at bits 4 (i + 4 h)
     word_at = 16 * (k // 8)
     shift = 4 * ((k % 8) // 2 + 4 * (k % 2))
@@ -54,7 +56,7 @@ def _quant_matmul_kernel(x_ptr, w8_ptr, w16_ptr, w32_ptr, bias_ptr, out_ptr, M, 
                     mask=m_mask[:, None], other=0.0)
         if KIND == 0:
             m = tl.load(w16_ptr + base // 2 + 16 + col, mask=n_mask, other=0.0).to(tl.float32)
-            words = tl.load(w32_ptr + (base // 4 + 16 + col)[None, :] + word_at[:, None],
+            words = tl.load(w32_ptr + ((base + codes_at) // 4 + col)[None, :] + word_at[:, None],
                             mask=n_mask[None, :], other=0)
             q = ((words >> shift[:, None]) & 15).to(tl.float32)
             w = q * d[None, :] + m[None, :]  # [32, BLOCK_N]
@@ -82,7 +84,13 @@ def _quant_matmul_kernel(x_ptr, w8_ptr, w16_ptr, w32_ptr, bias_ptr, out_ptr, M, 
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-KINDS = {"u4": 0, "s8": 1, "s8h": 2, "s8hm": 3}
+KINDS = {k.name: k.id for k in quant_layout.KINDS}
+
+
+def kernel_args(kind: str) -> dict[str, int]:
+    """The kernel's constexprs for `kind`, read from quant_layout's table."""
+    named = quant_layout.BY_NAME[kind]
+    return dict(KIND=named.id, RECORD=named.record_bytes, CODES_AT=named.codes_at)
 
 
 def block_shape(rows: int) -> tuple[int, int]:
@@ -111,6 +119,6 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, n: int,
     _quant_matmul_kernel[grid](
         x, weight.view(torch.int8), weight.view(torch.float16), weight.view(torch.int32),
         bias if bias is not None else out, out, rows, n, k, x.stride(0), out.stride(0),
-        KIND=KINDS[kind], HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        **kernel_args(kind), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         FP32=compute_in_fp32(x.dtype), PRECISION=dot_precision(x.dtype))
     return out
