@@ -78,9 +78,8 @@ struct Team {
   T* const my_h;    // this thread's normed rows [Mp, H]
   const float eps, scale;
   std::vector<float> sums;  // a quantized matmul's input group sums
-#ifdef TS_AVX512_BF16
-  std::vector<__m512i> wide;  // a quantized panel widened (panels_quant_bf16.h)
-#endif
+  // a quantized panel widened (panels_quant_bf16.h)
+  std::vector<tritonserve_panels_quant::Wide> wide;
 
   Team(Stack<T>& stack, bool timing)
       : st(stack), t(omp_get_thread_num()), team(omp_get_num_threads()), clock(t, timing),
@@ -133,7 +132,6 @@ struct Team {
       item = following;
     }
     meet(Phase::kAttention);
-#ifdef TS_AVX512_BF16
     if constexpr (kBf16) {
       if (st.split) {  // the parts merged, (row, query head)s shared out
         const int64_t heads = st.a.num_heads;
@@ -143,7 +141,6 @@ struct Team {
         meet(Phase::kAttention);
       }
     }
-#endif
   }
 
   // the post-attention add + norm, gate/up with silu(gate) * up, down
@@ -199,16 +196,12 @@ struct Team {
       const auto* w = static_cast<const uint8_t*>(m.w) + p * (m.K / pq::kGroup) *
                                                              pq::record_bytes(m.kind);
       const float* bias = m.bias ? m.bias + col : nullptr;
-#ifdef TS_AVX512_BF16
       if constexpr (kBf16) {
         wide.resize(std::max<size_t>(wide.size(), pq::wide_words(m.K)));
         pq::panel_product_bf16(m.kind, reinterpret_cast<const uint16_t*>(in), M, m.K,
                                sums.data(), w, reinterpret_cast<uint16_t*>(y) + col, ldy, ncols,
                                wide.data(), bias);
-        return;
-      }
-#endif
-      if constexpr (!kBf16) {
+      } else {
         pq::panel_product(m.kind, in, M, m.K, sums.data(), w, y + col, ldy, ncols);
         if (bias != nullptr)
           for (int64_t r = 0; r < M; ++r)
@@ -261,20 +254,15 @@ struct Team {
     const T* kc = st.k_p[l];
     const T* vc = st.v_p[l];
     const int64_t D = st.D;
-#ifdef TS_AVX512_BF16
     if constexpr (kBf16) {
       st.bf16_attend(
           reinterpret_cast<const uint16_t*>(q_b), reinterpret_cast<const uint16_t*>(kc),
           reinterpret_cast<const uint16_t*>(vc), it, following, st.block_size, st.kv_heads,
           scale, reinterpret_cast<uint16_t*>(att_b), D, D);
-      return;
-    }
-#endif
-    if constexpr (!kBf16) {
+    } else {
       st.fp32_attend(q_b, kc, vc, it.table, it.len, st.block_size, st.kv_heads, D, st.group,
-                  it.h0, it.h1, scale, att_b, D, D, false);
+                     it.h0, it.h1, scale, att_b, D, D, false);
     }
-    (void)following;
   }
 };
 

@@ -34,12 +34,9 @@ using bf16 = c10::BFloat16;
 inline bool decode_layers_supported(c10::ScalarType dtype, int64_t head_dim, int64_t group,
                              int64_t block_size) {
   if (dtype == c10::kFloat) return head_dim % 2 == 0;
-#ifdef TS_AVX512_BF16
-  if (dtype == c10::kBFloat16)
-    return tritonserve_decode_bf16::pick(head_dim, group, block_size, false) != nullptr;
-#endif
-  (void)group, (void)block_size;
-  return false;
+  // a build without AVX512-BF16 has no instance: pick answers nullptr (paged_decode_bf16.h)
+  return dtype == c10::kBFloat16 &&
+         tritonserve_decode_bf16::pick(head_dim, group, block_size, false) != nullptr;
 }
 
 // The op's arguments, as the schema at the bottom names them.
@@ -106,9 +103,7 @@ struct Stack {
   // K + 1 rows: engine/speculative.py), where a row attends to the rows before it
   bool write_first = false;
   // the attention instance for the shapes (the item's KV heads [h0, h1))
-#ifdef TS_AVX512_BF16
   tritonserve_decode_bf16::SeqFn bf16_attend = nullptr;
-#endif
   decltype(&tritonserve_decode_portable::decode_seq<float, 0>) fp32_attend = nullptr;
 
   explicit Stack(const Args& args) : a(args) {
@@ -301,9 +296,7 @@ struct Stack {
     cos_p = data<T>(c), sin_p = data<T>(s), slot_p = slot.data_ptr<int64_t>();
     for (int64_t l = 0; l < L; ++l)
       k_p.push_back(data<T>(a.k_caches[l])), v_p.push_back(data<T>(a.v_caches[l]));
-#ifdef TS_AVX512_BF16
     if constexpr (kBf16) bf16_attend = tritonserve_decode_bf16::pick(D, group, block_size, false);
-#endif
     fp32_attend = D == 64    ? tritonserve_decode_portable::decode_seq<float, 64>
                   : D == 128 ? tritonserve_decode_portable::decode_seq<float, 128>
                              : tritonserve_decode_portable::decode_seq<float, 0>;

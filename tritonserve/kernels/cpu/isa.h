@@ -9,6 +9,9 @@
 //                   so decode_layers in bf16
 //   TS_AMX          and AMX-TILE + AMX-BF16: the bf16 panel matmuls on tiles (panels_amx.h;
 //                   used only where the OS also grants the tile state, checked at run time)
+// The headers of each level declare their entry points in every build (stubs without the
+// level: an attention `pick` that finds no instance, a quantized bf16 product never reached),
+// so the kernels test a level in `if constexpr` / at run time instead of an #if each.
 // Without them the same ops run portable C++ that the compiler vectorises for its target
 // (x86-64-v3: AVX2 + FMA; tests/test_cpu_build.py builds and tests that one too). Which CPU
 // may load a build is checked before loading it, from the target's own macros
@@ -28,6 +31,10 @@
 
 #ifdef TS_AVX512
 #include <immintrin.h>
+// after non-temporal (streaming) stores: them visible before an op returns
+inline void ts_store_fence() { _mm_sfence(); }
+#else
+inline void ts_store_fence() {}  // the portable code streams nothing
 #endif
 
 namespace tritonserve_isa {

@@ -93,9 +93,7 @@ void run_panels(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
   const int64_t P = panels.size(0);
   if (M <= block && at::get_num_threads() > 1) {  // decode batches: one block of rows
     tritonserve_panels::for_each_owned(P, [&](int64_t p) { product(0, M, p); }, [&] {
-#ifdef TS_AVX512_BF16
-      if (stream) _mm_sfence();  // the non-temporal stores visible before the op returns
-#endif
+      if (stream) ts_store_fence();  // isa.h
     });
     return;
   }
@@ -104,9 +102,7 @@ void run_panels(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
       const int64_t rows = std::min(block, M - m0);
       for (int64_t p = p0; p < p1; ++p) product(m0, rows, p);
     }
-#ifdef TS_AVX512_BF16
-    if (stream) _mm_sfence();  // the non-temporal stores visible before the op returns
-#endif
+    if (stream) ts_store_fence();  // isa.h
   });
 }
 

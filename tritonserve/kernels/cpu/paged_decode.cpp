@@ -62,11 +62,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   // the bf16 streaming kernel takes split sequences (page_sweep.h's Items), the others not
-  bool splits = false;
-#ifdef TS_AVX512_BF16
-  splits = q.scalar_type() == at::kBFloat16 && !cached &&
-           tritonserve_decode_bf16::pick(head_dim, group, block_size, false) != nullptr;
-#endif
+  const bool splits = q.scalar_type() == at::kBFloat16 && !cached &&
+                      tritonserve_decode_bf16::pick(head_dim, group, block_size, false);
   tritonserve_sweep::Items work(table_ptr, len_ptr, batch, tables.size(1), kv_heads,
                                 at::get_num_threads(), block_size, splits);
   torch::Tensor scratch;  // the parts' sums of a split call
@@ -89,8 +86,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     });
   };
   const int64_t q_seq_stride = qc.stride(0), q_head_stride = qc.stride(1);
-#ifdef TS_AVX512_BF16
-  if (q.scalar_type() == at::kBFloat16) {
+  if (q.scalar_type() == at::kBFloat16) {  // an instance only with AVX512-BF16 (isa.h)
     if (auto one = tritonserve_decode_bf16::pick(head_dim, group, block_size, cached)) {
       using tritonserve_decode_bf16::Item;
       const auto* q_ptr = reinterpret_cast<const uint16_t*>(qc.data_ptr());
@@ -114,7 +110,6 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       return out;
     }
   }
-#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     const scalar_t* q_ptr = qc.data_ptr<scalar_t>();
     const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();

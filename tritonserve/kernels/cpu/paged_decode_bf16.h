@@ -32,7 +32,18 @@
 // scales q in fp32: the two differ by fp32 rounding only.
 #pragma once
 
+#include <cstdint>
+
 #include "isa.h"
+#include "page_sweep.h"
+
+namespace tritonserve_decode_bf16 {
+using tritonserve_sweep::Item;
+// the instance for a head size and group, or nullptr when none is built (the caller's
+// portable path then runs)
+using SeqFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const Item&,
+                       const Item*, int64_t, int64_t, float, uint16_t*, int64_t, int64_t);
+}  // namespace tritonserve_decode_bf16
 
 #ifdef TS_AVX512_BF16
 
@@ -98,7 +109,6 @@ struct Unit {
   int64_t hk, n;
 };
 
-using tritonserve_sweep::Item;
 
 // Ask for the K and V rows of one KV head for `n` token slots from `slot` (`row` elements
 // apart; bytes 0..2 * HD of each): non-temporal, each line is read once. The cached schedule
@@ -321,11 +331,6 @@ inline void merge_parts(const tritonserve_sweep::Items& work, int64_t b, int64_t
   for (int64_t d = 0; d < D; ++d) out[d] = tritonserve_vec::float_to_bf16(acc[d] * inv);
 }
 
-// the instance for a head size and group, or nullptr when none is built (the caller's
-// portable path then runs)
-using SeqFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const Item&,
-                       const Item*, int64_t, int64_t, float, uint16_t*, int64_t, int64_t);
-
 template <int C, bool Cached>
 inline SeqFn pick_group(int64_t group) {
   switch (group) {
@@ -353,5 +358,10 @@ inline SeqFn pick(int64_t head_dim, int64_t group, int64_t block_size, bool cach
   return nullptr;
 }
 
+}  // namespace tritonserve_decode_bf16
+#else  // no AVX512-BF16: no instance, so callers' bf16 branches never run (isa.h)
+namespace tritonserve_decode_bf16 {
+inline SeqFn pick(int64_t, int64_t, int64_t, bool) { return nullptr; }
+inline void merge_parts(const tritonserve_sweep::Items&, int64_t, int64_t, uint16_t*) {}
 }  // namespace tritonserve_decode_bf16
 #endif

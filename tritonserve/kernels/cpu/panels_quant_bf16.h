@@ -45,6 +45,7 @@ inline void group_sums_bf16(const uint16_t* x, int64_t ldx, int64_t R, int64_t K
 }
 
 #ifdef TS_AVX512_BF16
+using Wide = __m512i;  // a record's widened pairs (wide_words a panel)
 // bf16 x: a k pair of the 16 columns widened to 16 lanes of two bf16 (vdpbf16ps's operand),
 // one vdpbf16ps a row. u4 codes go in as 128 + q (bf16 0x4300 | q: exact), the 128 taken
 // back with m' = m - 128 d; s8 codes as themselves (every int8 is a bf16). fp32 sums, y
@@ -303,13 +304,22 @@ inline int64_t wide_words(int64_t K) { return K / kGroup * kWideWords; }
 // panel's 16 fp32 biases, added before the rounding, or nullptr
 inline void panel_product_bf16(Kind kind, const uint16_t* x, int64_t M, int64_t K,
                                const float* xs, const uint8_t* panel, uint16_t* y, int64_t ldy,
-                               int64_t ncols, __m512i* wide, const float* bias) {
+                               int64_t ncols, Wide* wide, const float* bias) {
   with_kind(kind, [&](auto k) {
     rows_product_bf16<decltype(k)::value>(x, K, M, xs, K / kGroup, panel, y, ldy, ncols, wide,
                                           bias);
   });
 }
 
+#else  // no AVX512-BF16: the names, for callers' `if constexpr` bf16 branches (isa.h); a
+// build without the level never runs a bf16 quantized matmul (linear_quant.cpp widens to fp32)
+struct alignas(64) Wide {
+  uint8_t bytes[64];
+};
+inline int64_t wide_words(int64_t) { return 0; }
+inline void panel_product_bf16(Kind, const uint16_t*, int64_t, int64_t, const float*,
+                               const uint8_t*, uint16_t*, int64_t, int64_t, Wide*,
+                               const float*) {}
 #endif
 
 }  // namespace tritonserve_panels_quant
