@@ -226,8 +226,8 @@ def test_a_stale_abort_never_ends_a_later_request_with_the_same_id(server):
     host = server.app[STATE].engine
     host.abort("retry-1")  # late: the request has ended
     while True:  # until the engine thread has taken it (and the engine idles again)
-        with host._lock:
-            if not host._aborts:
+        with host.hub.lock:
+            if not host.hub._aborts:
                 break
         threading.Event().wait(0.01)
     events = generate_with_id()

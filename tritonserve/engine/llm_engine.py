@@ -25,6 +25,7 @@ from .memory import (num_cache_blocks, profiled_cache_blocks, profiles_cache,
                      resolve_max_model_len)
 from .outputs import (Completion, FinishReason, GenerationStep, RequestTiming, TokenOutput)
 from .request import Request
+from .reasoning_end import TagFinder
 from .request_check import RequestChecker
 from .sampler import SampledToken
 from .sampling_params import SamplingParams
@@ -146,6 +147,7 @@ class LLMEngine:
             matcher=self.grammars.matcher(grammar) if grammar is not None else None)
         if params.structured_after and request.matcher is not None:
             request.held_matcher, request.matcher = request.matcher, None
+            request.reasoning_end = TagFinder(params.structured_after)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -255,11 +257,7 @@ class LLMEngine:
             raise NoTokenAllowedError(
                 "no token is allowed: the request's rules (grammar, min_tokens with "
                 "stop_token_ids, logit_bias) forbid every token of the vocabulary")
-        if request.held_matcher is not None:  # reasoning: free text until its end tag
-            after = list(params.structured_after)
-            if (request.output_token_ids + [token_id])[-len(after):] == after:
-                request.matcher, request.held_matcher = request.held_matcher, None
-        elif request.matcher is not None:
+        if request.matcher is not None:
             if not request.matcher.accept_token(token_id):
                 raise RuntimeError(f"the grammar refused token {token_id}")
             if request.matcher.is_terminated():  # the grammar is complete: EOS came
@@ -276,8 +274,12 @@ class LLMEngine:
             return self._finish(request, reason, now, drained.matched, drained.text)
 
         request.token_ids.append(token_id)
+        delta = request.detokenizer.add_token(token_id)
+        if request.held_matcher is not None and request.reasoning_end.feed(delta):
+            # reasoning over (the server's split sees the same tag): the grammar from now on
+            request.matcher, request.held_matcher = request.held_matcher, None
         # stop strings count from the min_tokens-th token on, as EOS does (vLLM's rule)
-        check = request.stop_matcher.feed(request.detokenizer.add_token(token_id),
+        check = request.stop_matcher.feed(delta,
                                           match=request.num_output_tokens >= params.min_tokens)
         text, reason, matched = check.text, None, check.matched
         if matched is not None:

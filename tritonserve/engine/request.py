@@ -38,6 +38,7 @@ class Request:
     prefill_after: Request | None = None  # a sibling whose prompt prefill this one waits for
     matcher: object | None = None  # xgrammar GrammarMatcher of a structured request
     held_matcher: object | None = None  # the matcher until params.structured_after appears
+    reasoning_end: object | None = None  # its engine/reasoning_end.py TagFinder, meanwhile
     # engine/speculative.py: a running mean of the share of its proposals accepted
     spec_acceptance: float = 1.0
 

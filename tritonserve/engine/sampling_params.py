@@ -59,9 +59,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # a grammar the output must follow
-    # the grammar starts after these token ids appear in the output (a reasoning model's
-    # end-of-thinking tag, as vLLM applies structured output after the reasoning); () = at once
-    structured_after: tuple[int, ...] = ()
+    # the grammar starts after this text appears in the output (a reasoning model's
+    # end-of-thinking tag, engine/reasoning_end.py, as vLLM applies structured output after
+    # the reasoning); "" = at once
+    structured_after: str = ""
 
     def __post_init__(self) -> None:
         temperature = _check_number("temperature", self.temperature)
@@ -117,9 +118,9 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", bias)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             _fail("structured", "a StructuredOutput", self.structured)
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0
-               for t in self.structured_after):
-            _fail("structured_after", "token ids", self.structured_after)
+        if not isinstance(self.structured_after, str) or len(self.structured_after) > 64:
+            _fail("structured_after", "a string of at most 64 characters",
+                  self.structured_after)
 
     @property
     def greedy(self) -> bool:

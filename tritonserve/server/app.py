@@ -10,6 +10,7 @@ from aiohttp import web
 from tritonserve.engine import InvalidRequestError, LLMEngine
 
 from .async_engine import AsyncEngine
+from .stream_hub import EngineDoor
 from .streams import EngineUnavailableError, OverloadedError
 from .chat_template import ChatTemplate
 from .common import STATE, ApiError, ServerState, json_error
@@ -84,13 +85,13 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": state.metrics.content_type})
 
 
-def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig = ServerConfig(),
+def build_app(engine: LLMEngine | EngineDoor, config: ServerConfig = ServerConfig(),
               engine_thread: bool = True) -> web.Application:
     """engine: an LLMEngine (hosted here by an AsyncEngine), or a host already built (the
     data-parallel front end, server/dp_engine.py). engine_thread=False leaves stepping the
     engine to the caller (AsyncEngine.run()). Bodies over config.max_body_bytes get 413
     before they are parsed."""
-    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(
+    async_engine = engine if isinstance(engine, EngineDoor) else AsyncEngine(
         engine, config.max_waiting, config.served_model_name)
     # outermost first: CORS headers on every answer (401s too), preflights before the key
     app = web.Application(middlewares=[cors, json_errors, api_key],

@@ -14,7 +14,7 @@ from tritonserve.engine import SamplingParams
 
 from .chat_template import ChatTemplate
 from .common import ApiError, check_chat_size, sampling_params
-from .reasoning import END as REASONING_END
+from tritonserve.engine.reasoning_end import END as REASONING_END
 from .reasoning import ReasoningSplitter
 from .schema import ChatCompletionRequest
 from .structured import structured_output
@@ -58,6 +58,5 @@ async def prepare_chat(state, body: ChatCompletionRequest) -> PreparedChat:
     if params.structured is not None and template.reasoning_parser is not None \
             and ReasoningSplitter(template.reasoning_parser, prompt_text).may_reason:
         # the grammar applies to the answer, after the reasoning (as vLLM does)
-        end = await engine.prompts.encode(REASONING_END, "messages", False)
-        params = dataclasses.replace(params, structured_after=tuple(end))
+        params = dataclasses.replace(params, structured_after=REASONING_END)
     return PreparedChat(prompt_ids, prompt_text, params, plan, template)

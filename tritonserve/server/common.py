@@ -14,7 +14,7 @@ from tritonserve.engine import Completion, FinishReason, InvalidRequestError, Sa
 from tritonserve.engine.limits import COUNTED, RequestLimits
 from tritonserve.engine.structured import StructuredOutput
 
-from .async_engine import AsyncEngine
+from .stream_hub import EngineDoor
 from .streams import StreamFailure, StreamItem
 from .chat_template import ChatTemplate
 from .errors import ApiError
@@ -45,7 +45,7 @@ def json_error(status: int, code: str, message: str, param: str | None = None,
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine  # the only way into the engine
+    engine: EngineDoor  # the only way into the engine (one or several hosts)
     metrics: Metrics
     config: ServerConfig
     draining: bool = False

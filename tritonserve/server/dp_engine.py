@@ -1,6 +1,7 @@
 """Data parallelism: N engine processes (server/engine_process.py; each may be tensor-parallel)
-behind the one HTTP front end, through the same narrow door as AsyncEngine (submit / abort /
-stats / dead / card), so routes, metrics and the watchdog do not know how many engines serve.
+behind the one HTTP front end, through the same narrow door as AsyncEngine (server/
+stream_hub.py's EngineDoor: submit / abort / stats / dead / card), so routes, metrics and the
+watchdog do not know how many engines serve; the streams are its StreamHub's.
 
 The front end's loop (run(), on the main thread of `tritonserve serve`) takes new requests
 from the inbox, asks server/router.py for an engine, and sends them down that engine's pipe;
@@ -43,13 +44,13 @@ from tritonserve.engine.config import EngineConfig
 from tritonserve.engine.request_check import RequestChecker
 from tritonserve.engine.structured import StructuredOutput, parse
 
-from .async_engine import AsyncEngine
 from .dp_placement import devices_for, split_cache
 from .engine_card import EngineStats, EngineView
 from .engine_process import (Abort, Died, Ready, Rejected, StartFailed, Stepped, Stop,
                              engine_main)
 from .prompts import PromptTokenizer
 from .router import NoEngineError, Router
+from .stream_hub import EngineDoor, StreamHub
 from .streams import NewRequest, StreamFailure
 
 log = logging.getLogger("tritonserve.server.engine")
@@ -111,7 +112,7 @@ class _Engine:
                 return
 
 
-class DataParallelEngine(AsyncEngine):
+class DataParallelEngine(EngineDoor):
     def __init__(self, config: EngineConfig, size: int, routing: str = "prefix",
                  max_waiting: int = 256, served_names: tuple[str, ...] = ()) -> None:
         if size < 1:
@@ -141,9 +142,12 @@ class DataParallelEngine(AsyncEngine):
         if not config.cache.enable_prefix_caching:  # no engine holds anything to route on
             routing = "least-tokens" if routing == "prefix" else routing
         self.router = Router(size, card.block_size, routing, seed=config.seed or 0)
-        self._open(max_waiting, PromptTokenizer(card.root, card.max_model_len), card,
-                   config.limits)
-        self._wake = _PipeWake()
+        self.hub = StreamHub(_PipeWake(), max_waiting, config.limits)
+        self.limits = config.limits
+        self.prompts = PromptTokenizer(card.root, card.max_model_len)
+        self.card = card
+        self.stats = EngineStats()
+        self._stopping = False
         self._running = False
 
     def _await_ready(self, engine: _Engine) -> Ready:
@@ -163,7 +167,7 @@ class DataParallelEngine(AsyncEngine):
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         return self.checker.validate(prompt_token_ids, params)
 
-    def _grammar(self, spec: StructuredOutput) -> str:
+    def make_grammar(self, spec: StructuredOutput) -> str:
         """On a grammar worker: the parsed grammar as JSON (small; a compiled one is 0.1-50
         MB), which the engine process compiles for its tokenizer."""
         return parse(spec).serialize_json()
@@ -181,10 +185,6 @@ class DataParallelEngine(AsyncEngine):
                 if self.router.engines[i].alive and self.router.engines[i].requests]
         return min(busy) if busy else None
 
-    @step_started.setter
-    def step_started(self, value) -> None:  # AsyncEngine._open's initial None
-        pass
-
     def stalled(self, reason: str) -> bool:
         """The silent engine is killed; the loop then takes it out of rotation, ending its
         streams with this reason. True only when it was the last engine serving."""
@@ -199,9 +199,9 @@ class DataParallelEngine(AsyncEngine):
 
     def stop(self) -> None:
         self._stopping = True
-        self._wake.set()
+        self.hub.wake.set()
         self.prompts.close()
-        self.grammar_jobs.close()
+        self.hub.grammar_jobs.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=STOP_TIMEOUT_S + 5)
         if not self._running:
@@ -220,28 +220,26 @@ class DataParallelEngine(AsyncEngine):
 
     def _admit(self) -> None:
         rejected: list[str] = []
-        with self._lock:  # routed under the lock: num_waiting never misses a request
-            inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
-            failures, self._failures = self._failures, []
+        with self.hub.lock:  # routed under the lock: num_waiting never misses a request
+            inbox, aborts, failures = self.hub.take()
             for new in inbox:
                 if not self._send_new(new):
                     rejected.append(new.request_id)
         if rejected:
-            self._post([], StreamFailure("engine_dead", "every engine has died"), rejected)
+            self.hub.post([], StreamFailure("engine_dead", "every engine has died"), rejected)
         for request_id in aborts:
             index = self.router.owner(request_id)
             if index is not None:
                 self._send(index, Abort((request_id,)))
         if failures:  # shutdown: every stream ends now, the engines drop their requests
-            ended = list(self._queues)
+            ended = self.hub.open_ids()
             for index in range(len(self._engines)):
                 owned = tuple(r for r in ended if self.router.owner(r) == index)
                 if owned:
                     self._send(index, Abort(owned))
             for request_id in ended:
                 self.router.forget(request_id)
-            self._post([], failures[0], ended)
+            self.hub.post([], failures[0], ended)
 
     def _send_new(self, new: NewRequest) -> bool:
         try:
@@ -261,11 +259,11 @@ class DataParallelEngine(AsyncEngine):
 
     def _wait_and_read(self) -> None:
         live = {i: e for i, e in enumerate(self._engines) if self.router.engines[i].alive}
-        waitables = [self._wake]
+        waitables = [self.hub.wake]
         for engine in live.values():
             waitables += [engine.conn, engine.process.sentinel]
         ready = wait(waitables, timeout=0.5)
-        self._wake.clear()
+        self.hub.wake.clear()
         for index, engine in live.items():
             if engine.conn in ready and not self._read(index, engine):
                 continue
@@ -295,10 +293,11 @@ class DataParallelEngine(AsyncEngine):
             self.num_steps += 1
             self.slowest_step = max(self.slowest_step, message.step_s)
             self._sum_stats()
-            self._post(message.steps, None, [])
+            self.hub.post(message.steps, None, [])
         elif isinstance(message, Rejected):
             self.router.forget(message.request_id)
-            self._post([], StreamFailure(message.code, message.message), [message.request_id])
+            self.hub.post([], StreamFailure(message.code, message.message),
+                          [message.request_id])
         elif isinstance(message, Died):
             engine.why_dead = f"engine {index}: {message.reason}"
             self._engine_died(index, engine.why_dead, message.steps)
@@ -311,12 +310,10 @@ class DataParallelEngine(AsyncEngine):
         owned = self.router.engine_died(index)
         self._engines[index].stats = EngineStats()
         self._sum_stats()
-        self._post(steps or [], StreamFailure("engine_dead", f"the engine died: {reason}"),
-                   owned)
+        self.hub.post(steps or [], StreamFailure("engine_dead", f"the engine died: {reason}"),
+                      owned)
         if self.router.num_alive == 0:  # nothing serves: every stream ends, /health 503
-            self.dead = reason
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._die, [], reason)
+            self.hub.kill(reason)
 
     def _sum_stats(self) -> None:
         parts = [e.stats for i, e in enumerate(self._engines) if self.router.engines[i].alive]

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-START, END = "<think>", "</think>"
+# the tags, and the rule for a tag split across deltas, are the engine's too (its grammar
+# hand-off after the reasoning): engine/reasoning_end.py
+from tritonserve.engine.reasoning_end import END, START, partial_suffix
 PARSERS = ("qwen3", "deepseek_r1")
 
 
@@ -114,10 +116,3 @@ class ReasoningSplitter:
         first, last = self.feed(text), self.finish()
         return Split(first.reasoning + last.reasoning, first.content + last.content)
 
-
-def partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

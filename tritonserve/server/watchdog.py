@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .async_engine import AsyncEngine
+from .stream_hub import EngineDoor
 
 log = logging.getLogger("tritonserve.server")
 
@@ -27,14 +27,14 @@ STEP_TIMEOUT_FLOOR = 60.0  # seconds
 STALL_FACTOR = 20.0
 
 
-def step_limit(engine: AsyncEngine, step_timeout: float | None) -> float:
+def step_limit(engine: EngineDoor, step_timeout: float | None) -> float:
     if step_timeout is not None:
         return step_timeout
     return max(STEP_TIMEOUT_FLOOR, STALL_FACTOR * engine.slowest_step)
 
 
 class Watchdog:
-    def __init__(self, engine: AsyncEngine, step_timeout: float | None,
+    def __init__(self, engine: EngineDoor, step_timeout: float | None,
                  on_stall: Callable[[str], None] | None = None) -> None:
         self.engine, self.step_timeout, self.on_stall = engine, step_timeout, on_stall
         self.interval = min(1.0, step_timeout / 4) if step_timeout else 1.0
