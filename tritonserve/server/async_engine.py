@@ -61,12 +61,7 @@ class AsyncEngine(EngineDoor):
 
     def stop(self) -> None:
         """Ends run() after its current step."""
-        self._stopping = True
-        self.hub.wake.set()
-        self.prompts.close()
-        self.hub.grammar_jobs.close()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+        self._stop_front(10)
         if self._thread is None or not self._thread.is_alive():  # not inside a step
             self.engine.close()
 

@@ -198,12 +198,7 @@ class DataParallelEngine(EngineDoor):
         return self.router.num_alive <= 1
 
     def stop(self) -> None:
-        self._stopping = True
-        self.hub.wake.set()
-        self.prompts.close()
-        self.hub.grammar_jobs.close()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=STOP_TIMEOUT_S + 5)
+        self._stop_front(STOP_TIMEOUT_S + 5)
         if not self._running:
             self._close_engines()
 

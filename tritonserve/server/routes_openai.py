@@ -232,12 +232,18 @@ def _prompt_list(prompt) -> list:
     return list(prompt)
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    arrival = now()
-    body = await parse_body(request, CompletionRequest)
+async def _opened(request: web.Request, schema):
+    """A route's first steps: the arrival time, the body parsed and checked -> (state,
+    arrival, body)."""
+    state, arrival = request.app[STATE], now()
+    body = await parse_body(request, schema)
     check_model(state, body.model)
     _check_supported(body)
+    return state, arrival, body
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state, arrival, body = await _opened(request, CompletionRequest)
     if body.echo and body.logprobs is not None:
         raise ApiError(400, "unsupported_parameter", "echo with logprobs (prompt logprobs) is "
                        "not supported yet", "echo")
@@ -266,11 +272,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    arrival = now()
-    body = await parse_body(request, ChatCompletionRequest)
-    check_model(state, body.model)
-    _check_supported(body)
+    state, arrival, body = await _opened(request, ChatCompletionRequest)
     chat = await prepare_chat(state, body)
     request_id = _start(request, "chatcmpl")
     items = await state.engine.submit(request_id, [chat.prompt_ids], chat.params, arrival,

@@ -208,24 +208,24 @@ class EngineDoor:
     def fail_all(self, code: str, message: str) -> None:
         self.hub.fail_all(code, message)
 
-    @property
-    def dead(self) -> str | None:
-        return self.hub.dead
-
-    @property
-    def num_active(self) -> int:
-        return self.hub.num_active
-
-    @property
-    def num_waiting(self) -> int:
-        return self.hub.num_waiting(self.stats.num_waiting)
-
-    @property
-    def grammar_jobs(self) -> GrammarJobs:
-        return self.hub.grammar_jobs
+    # why the host died (None while it serves); streams open; requests not yet running
+    dead = property(lambda self: self.hub.dead)
+    num_active = property(lambda self: self.hub.num_active)
+    num_waiting = property(lambda self: self.hub.num_waiting(self.stats.num_waiting))
+    grammar_jobs = property(lambda self: self.hub.grammar_jobs)
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self.hub.loop = loop
+
+    def _stop_front(self, join_s: float) -> None:
+        """stop()'s part every host shares: run() told to end, the prompt and grammar workers
+        closed, run()'s thread (start_thread) given join_s seconds to end."""
+        self._stopping = True
+        self.hub.wake.set()
+        self.prompts.close()
+        self.hub.grammar_jobs.close()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=join_s)
 
     def start_thread(self) -> None:
         """run() on a thread of its own (tests; `tritonserve serve` runs it on the main
