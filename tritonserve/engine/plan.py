@@ -72,7 +72,11 @@ class DecodePlan:
                 f"{self.attention}, draw {self.draw}")
 
     def as_dict(self) -> dict[str, str | int]:
-        return asdict(self)
+        """What /version shows: the choices and their reasons (max_rows, the scheduler's
+        cap, follows from them)."""
+        shown = asdict(self)
+        del shown["max_rows"]
+        return shown
 
 
 def resolve_plan(config: EngineConfig, arch: ModelArch, gguf: Path | None = None,
