@@ -25,8 +25,9 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from tritonserve.engine.reasoning_end import partial_suffix
+
 from .json_scan import Scan, Scanner, scan
-from .reasoning import partial_suffix
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 PYTHON_TAG = "<|python_tag|>"
