@@ -96,6 +96,50 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+def paged_attention_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
+    """paged_prefill_attention with a sliding window and a score soft-cap (Gemma 2 / 3,
+    Mistral, Phi-3): query i of sequence s at position p sees the keys at positions
+    (p - window, p] (window None: [0, p]); scores become softcap * tanh(s / softcap) before
+    the softmax. Pages wholly before the window of the sequence's first query are not read.
+    A decode batch is this with one query a sequence (cu_seqlens_q = 0, 1, ..., B)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        q_start, q_end = cu[s], cu[s + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        first_pos = seq_len - q_len  # the first query's position
+        first_block = max(0, first_pos - window + 1) // block_size if window else 0
+        blocks = block_tables[s, first_block:-(-seq_len // block_size)].long()
+        start = first_block * block_size  # the position of the first key read
+        keys = k_cache[blocks].flatten(0, 1)[:seq_len - start].float()  # [L, kvh, d]
+        values = v_cache[blocks].flatten(0, 1)[:seq_len - start].float()
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, d]
+        values = values.repeat_interleave(group, dim=1).transpose(0, 1)
+        qs = q[q_start:q_end].float().transpose(0, 1)  # [heads, q_len, d]
+        scores = qs @ keys.transpose(1, 2) * scale  # [heads, q_len, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(first_pos, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(start, seq_len, device=q.device)[None, :]
+        visible = k_pos <= q_pos
+        if window:
+            visible &= k_pos > q_pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        attn = torch.softmax(scores, dim=-1) @ values  # [heads, q_len, d]
+        out[q_start:q_end] = attn.transpose(0, 1).to(q.dtype)
+    return out
+
+
 def _thresholds(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor) -> torch.Tensor:
     """Per-row probability threshold by a full sort: keep tokens with p >= threshold (ties

@@ -68,9 +68,11 @@ def _fake(*shape_of):
 OPS: tuple[tuple[str, object, str], ...] = (
     ("paged_decode_attention",
      lambda q, *args, **kwargs: torch.empty_like(q, memory_format=torch.contiguous_format),
-     "(q, k_cache, v_cache, block_tables, seq_lens, scale, cached=False) -> out, the contract "
-     "of reference.paged_decode_attention; cached=True: the pages were just written (prefill "
-     "rows), the bf16 kernel takes the schedule faster on cached data (paged_decode_bf16.h)"),
+     "(q, k_cache, v_cache, block_tables, seq_lens, scale, cached=False, window=0, "
+     "softcap=0.0) -> out, the contract of reference.paged_decode_attention; cached=True: the "
+     "pages were just written (prefill rows), the bf16 kernel takes the schedule faster on "
+     "cached data (paged_decode_bf16.h); window > 0 / softcap > 0: those of "
+     "reference.paged_attention_masked, pages before the window not read"),
     ("add_rms_norm", lambda *args: None,
      "(x, residual, weight, eps): reference.add_rms_norm in place (fused_ops.cpp)"),
     ("silu_and_mul", _fake(lambda x: (x.shape[0], x.shape[1] // 2)),

@@ -261,7 +261,7 @@ struct Team {
           scale, reinterpret_cast<uint16_t*>(att_b), D, D);
     } else {
       st.fp32_attend(q_b, kc, vc, it.table, it.len, st.block_size, st.kv_heads, D, st.group,
-                     it.h0, it.h1, scale, att_b, D, D, false);
+                     it.h0, it.h1, scale, att_b, D, D, false, 0, 0.0f);
     }
   }
 };

@@ -17,7 +17,9 @@
 // engine (batch 64, 64-token prompts) 327 -> 240-290 us; with the next pages asked for
 // spread over the compute (batch 64, 128-token prompts) 460-475 -> 261-264 us.
 // `cached` (prefill rows, whose pages were just written) picks that kernel's schedule for
-// cached pages; the portable path only skips its sweep.
+// cached pages; the portable path only skips its sweep. `window` (> 0: a sliding window, each
+// row seeing its last `window` tokens, the pages before them not read) and `softcap` (> 0:
+// Gemma 2's score soft-cap) run the portable path in every dtype.
 // Registered as torch.ops.tritonserve.paged_decode_attention (CPU); kernels/cpu/__init__.py
 // builds it and registers the fake (shape-only) implementation torch.compile traces with.
 #include <torch/extension.h>
@@ -44,7 +46,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables,
                                      const torch::Tensor& seq_lens, double scale,
-                                     bool cached) {
+                                     bool cached, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "q [B, H, D] and caches [blocks, block_size, kv_heads, D] expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -61,8 +63,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   auto out = torch::empty({batch, heads, head_dim}, q.options());
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
+  // a window or a soft-cap: the portable kernel (the bf16 one takes neither)
+  const bool plain = window <= 0 && softcap <= 0.0;
   // the bf16 streaming kernel takes split sequences (page_sweep.h's Items), the others not
-  const bool splits = q.scalar_type() == at::kBFloat16 && !cached &&
+  const bool splits = plain && q.scalar_type() == at::kBFloat16 && !cached &&
                       tritonserve_decode_bf16::pick(head_dim, group, block_size, false);
   tritonserve_sweep::Items work(table_ptr, len_ptr, batch, tables.size(1), kv_heads,
                                 at::get_num_threads(), block_size, splits);
@@ -86,7 +90,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     });
   };
   const int64_t q_seq_stride = qc.stride(0), q_head_stride = qc.stride(1);
-  if (q.scalar_type() == at::kBFloat16) {  // an instance only with AVX512-BF16 (isa.h)
+  if (plain && q.scalar_type() == at::kBFloat16) {  // an instance only with AVX512-BF16
     if (auto one = tritonserve_decode_bf16::pick(head_dim, group, block_size, cached)) {
       using tritonserve_decode_bf16::Item;
       const auto* q_ptr = reinterpret_cast<const uint16_t*>(qc.data_ptr());
@@ -123,7 +127,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, it.table, it.len,
           block_size, kv_heads, head_dim, group, it.h0, it.h1,
           static_cast<float>(scale), out_ptr + b * heads * head_dim, q_head_stride, head_dim,
-          cached);
+          cached, window, static_cast<float>(softcap));
     });
   });
   return out;
@@ -137,7 +141,8 @@ TORCH_LIBRARY(tritonserve, m) {
   // the library's ISA levels (isa.h), comma-separated: what Python's choices ask
   m.def("isa_levels() -> str", &isa_levels);
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, bool cached=False) -> Tensor");
+        "Tensor seq_lens, float scale, bool cached=False, int window=0, float softcap=0.0) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tritonserve, CPU, m) {

@@ -82,13 +82,16 @@ inline void page_scores(const float* q, const float* k, int64_t krow, int64_t n,
 
 // HD > 0: the head size known at compile time (64, 128: fully unrolled, vectorised loops);
 // HD == 0: any head size, from head_dim_arg. One sequence, KV heads [h0, h1) and their
-// query heads; q / out point at the sequence's row.
+// query heads; q / out point at the sequence's row. window > 0: the query (at position
+// seq_len - 1) sees only the last `window` tokens; the pages wholly before them are not read
+// and the earlier slots of the first page read are masked. softcap > 0: each score s becomes
+// softcap * tanh(s / softcap) before the softmax (Gemma 2).
 template <typename scalar_t, int HD>
 void decode_seq(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                 const int32_t* table, int64_t seq_len, int64_t block_size,
                 int64_t kv_heads, int64_t head_dim_arg, int64_t group, int64_t h0, int64_t h1,
                 float scale, scalar_t* out, int64_t q_head_stride, int64_t out_head_stride,
-                bool cached) {
+                bool cached, int64_t window, float softcap) {
   const int64_t head_dim = HD > 0 ? HD : head_dim_arg;
   const int64_t heads = (h1 - h0) * group;  // the query heads of kv heads [h0, h1)
   const int64_t row = kv_heads * head_dim;  // elements between two token slots
@@ -103,12 +106,14 @@ void decode_seq(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
   }
   const int64_t chunk =
       tritonserve_sweep::chunk_pages(block_size * (h1 - h0) * head_dim * sizeof(scalar_t));
-  for (int64_t start = 0; start < seq_len; start += block_size) {
+  const int64_t first = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
+  const int64_t p0 = first / block_size;  // the first page with a visible token
+  for (int64_t start = p0 * block_size; start < seq_len; start += block_size) {
     const int64_t n = std::min(block_size, seq_len - start);
     const int64_t p = start / block_size, page = table[p];
     const scalar_t* kp = k_cache + page * block_size * row + h0 * head_dim;
     const scalar_t* vp = v_cache + page * block_size * row + h0 * head_dim;
-    if (!cached && p % chunk == 0)  // the next sweep's pages into the cache (page_sweep.h)
+    if (!cached && (p - p0) % chunk == 0)  // the next sweep's pages into the cache (page_sweep.h)
       tritonserve_sweep::sweep(k_cache, v_cache, table, seq_len, p,
                                std::min(p + chunk, (seq_len + block_size - 1) / block_size),
                                block_size, row, h0 * head_dim, (h1 - h0) * head_dim);
@@ -136,14 +141,21 @@ void decode_seq(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
         }
       }
     }
+    const int64_t lo = std::max<int64_t>(0, first - start);  // slots before the window
+    if (softcap > 0.0f)
+      for (int64_t h = 0; h < heads; ++h) {
+        float* sh = scores.data() + h * block_size;
+        for (int64_t t = lo; t < n; ++t) sh[t] = softcap * std::tanh(sh[t] / softcap);
+      }
     for (int64_t h = 0; h < heads; ++h) {
       float* sh = scores.data() + h * block_size;
-      float page_max = *std::max_element(sh, sh + n);
+      float page_max = *std::max_element(sh + lo, sh + n);
       const float m_new = std::max(m[h], page_max);
       const float alpha = std::exp(m[h] - m_new);  // exp(-inf) = 0 on the first page
       float sum = 0.0f;
+      for (int64_t t = 0; t < lo; ++t) sh[t] = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = lo; t < n; ++t) {
         sh[t] = exp_clamped(sh[t] - m_new);
         sum += sh[t];
       }

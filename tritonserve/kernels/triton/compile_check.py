@@ -55,28 +55,34 @@ def variants():
                  "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": f"*{dtype}",
                  "cu_seqlens_q_ptr": "*i32", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32",
                  "part_sum_ptr": "*fp32"}
-        for splits, head_dim, group, block in ((1, 128, 4, 16), (4, 128, 8, 32),
-                                               (2, 96, 1, 16), (1, 64, 4, 32),
-                                               (MAX_SPLITS, 128, 4, 16)):
-            yield (f"decode {dtype} d{head_dim} g{group} bs{block} splits{splits}",
-                   _decode_kernel, cache, {"scale": "fp32"},
+        masks = {"scale": "fp32", "window": "i32", "softcap": "fp32"}
+        # the last shape also with a window and a soft-cap (Gemma 2 / 3)
+        for splits, head_dim, group, block, masked in (
+                (1, 128, 4, 16, False), (4, 128, 8, 32, False), (2, 96, 1, 16, False),
+                (1, 64, 4, 32, False), (MAX_SPLITS, 128, 4, 16, False), (2, 256, 4, 16, True)):
+            yield (f"decode {dtype} d{head_dim} g{group} bs{block} splits{splits}"
+                   f"{' windowed softcapped' if masked else ''}",
+                   _decode_kernel, cache, masks,
                    dict(NUM_KV_HEADS=8, GROUP=group, HEAD_DIM=head_dim,
                         BLOCK_G=max(16, triton.next_power_of_2(group)),
                         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block,
                         TILE_N=max(block, 32 if fp32 else 64), NUM_SPLITS=splits, FP32=fp32,
-                        PRECISION=precision), {})
+                        PRECISION=precision, WINDOWED=masked, SOFTCAPPED=masked), {})
         # every tuned config in bf16; fp16 is the same code with another element type, so one
         # config there (each 128-row variant costs ptxas 4-8 s: CI time)
         space = tuning_space(fp32) if dtype != "fp16" else tuning_space(fp32)[:1]
-        prefill_shapes = [(4, 128, 16, config) for config in space]
-        prefill_shapes += [(1, 64, 32, space[0]), (3, 96, 16, space[0]), (8, 128, 16, space[-1])]
-        for group, head_dim, block, (rows, keys, warps, stages) in prefill_shapes:
+        prefill_shapes = [(4, 128, 16, config, False) for config in space]
+        prefill_shapes += [(1, 64, 32, space[0], False), (3, 96, 16, space[0], False),
+                           (8, 128, 16, space[-1], False), (4, 256, 16, space[0], True)]
+        for group, head_dim, block, (rows, keys, warps, stages), masked in prefill_shapes:
             yield (f"prefill {dtype} g{group} d{head_dim} bs{block} m{rows} n{keys} "
-                   f"w{warps} s{stages}", _prefill_kernel, cache, {"scale": "fp32"},
+                   f"w{warps} s{stages}{' windowed softcapped' if masked else ''}",
+                   _prefill_kernel, cache, masks,
                    dict(GROUP=group, HEAD_DIM=head_dim,
                         BLOCK_G=triton.next_power_of_2(group),
                         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block,
-                        FP32=fp32, PRECISION=precision, BLOCK_M=rows, TILE_N=keys),
+                        FP32=fp32, PRECISION=precision, BLOCK_M=rows, TILE_N=keys,
+                        WINDOWED=masked, SOFTCAPPED=masked),
                    {"num_warps": warps, "num_stages": stages})
         for splits in (4, MAX_SPLITS):
             yield (f"merge splits{splits} -> {dtype}", _merge_splits_kernel, cache, {},

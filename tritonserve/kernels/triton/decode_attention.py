@@ -27,21 +27,25 @@ MAX_SPLITS = 64  # a power of two: the merge kernel reads the splits as one tl.a
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                   out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
+                   out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale, window, softcap,
                    stride_qs, stride_qh, stride_bts, stride_cb, stride_ct, stride_ch,
                    stride_os, stride_oh,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = tl.cdiv(seq_len, TILE_N)
+    first = 0  # the first visible token: the window's, whose earlier tiles are never read
+    if WINDOWED:
+        first = tl.maximum(seq_len - window, 0)
+    skipped = first // TILE_N
+    num_tiles = tl.cdiv(seq_len, TILE_N) - skipped
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    first_tile = split * tiles_per_split
-    last_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
+    first_tile = skipped + split * tiles_per_split
+    last_tile = tl.minimum(first_tile + tiles_per_split, skipped + num_tiles)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -59,11 +63,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     for tile in range(first_tile, last_tile):
         # a tile of TILE_N tokens spans TILE_N / BLOCK_SIZE pages: gather their slots
         pos = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
-        valid = pos < seq_len  # slots past seq_len may hold anything (even NaN)
+        valid = (pos < seq_len) & (pos >= first)  # slots past seq_len may hold anything
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bts, pos,
                             valid, d, d_mask, kv_head, stride_cb, stride_ct, stride_ch,
                             BLOCK_SIZE, True, FP32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, TILE_N]
+        if SOFTCAPPED:  # softcap * tanh(s / softcap), tanh as 1 - 2 / (e^2x + 1)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         s = tl.where(valid[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
 
@@ -121,9 +127,12 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, max_seq_len: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim] -> out of the same shape. num_splits overrides the
-    heuristic (a power of two); max_seq_len avoids reading seq_lens back from the device."""
+    heuristic (a power of two); max_seq_len avoids reading seq_lens back from the device.
+    window / softcap: reference.paged_attention_masked's (the tiles before the window are
+    not read)."""
     block_size, num_kv_heads, group = attention_shapes(q, k_cache, v_cache)
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -133,7 +142,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads,
+                                       min(max_seq_len, window or max_seq_len), q.device)
     if num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     block_d = triton.next_power_of_2(head_dim)
@@ -146,13 +156,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = part_max = part_sum = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum, scale,
-        q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
+        window or 0, softcap or 0.0, q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_N=tile_tokens(block_size, q.dtype),
         NUM_SPLITS=num_splits, FP32=compute_in_fp32(q.dtype),
-        PRECISION=dot_precision(q.dtype))
+        PRECISION=dot_precision(q.dtype), WINDOWED=bool(window), SOFTCAPPED=bool(softcap))
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),

@@ -49,12 +49,13 @@ def _prune(configs, named_args, **kwargs):
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
-                    seq_lens_ptr, out_ptr, scale,
+                    seq_lens_ptr, out_ptr, scale, window, softcap,
                     stride_qt, stride_qh, stride_bts, stride_cb, stride_ct, stride_ch,
                     stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr,
-                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr):
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+                    WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr):
     BLOCK_Q = BLOCK_M // BLOCK_G  # query positions per program (a constexpr)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,7 +80,18 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
         first_pos = context_start + tile * BLOCK_Q
         end_pos = tl.minimum(first_pos + BLOCK_Q, seq_len)  # one past the last query
         full_tiles = (first_pos + 1) // TILE_N  # tiles whose keys every query sees
+        first_tile = full_tiles  # the first tile read with a mask
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        if WINDOWED or SOFTCAPPED:
+            # every tile masked: from the window of the program's first query (the tiles
+            # before it are not read); a finite start so a row whose window begins in a
+            # later tile stays 0 (exp(-inf - -inf) would be NaN)
+            if WINDOWED:
+                first_tile = tl.maximum(first_pos - window + 1, 0) // TILE_N
+            else:
+                first_tile = 0
+            full_tiles = 0
+            m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for key_tile in range(0, full_tiles):
@@ -90,14 +102,20 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE_N]
             m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
         # the diagonal: key 0 is in the first tile any row visits, so no row's max stays -inf
-        for key_tile in range(full_tiles, tl.cdiv(end_pos, TILE_N)):
+        for key_tile in range(first_tile, tl.cdiv(end_pos, TILE_N)):
             k_pos = key_tile * TILE_N + tl.arange(0, TILE_N)
             in_range = k_pos < seq_len  # slots past seq_len may hold anything (even NaN)
+            if WINDOWED:  # nor are the keys before every row's window read (a page freed)
+                in_range = in_range & (k_pos > first_pos - window)
             k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bts,
                                 k_pos, in_range, d, d_mask, kv_head, stride_cb, stride_ct,
                                 stride_ch, BLOCK_SIZE, True, FP32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            if SOFTCAPPED:  # softcap * tanh(s / softcap), tanh as 1 - 2 / (e^2x + 1)
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
             visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
+            if WINDOWED:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
         out = acc / l_i[:, None]
@@ -118,9 +136,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             seq_lens: torch.Tensor, scale: float,
                             max_q_len: int | None = None,
                             out: torch.Tensor | None = None,
-                            tile: tuple[int, int] | None = None) -> torch.Tensor:
+                            tile: tuple[int, int] | None = None, window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """q [total_query_tokens, num_heads, head_dim] -> out of the same shape.
-    tile=(BLOCK_M rows, TILE_N keys) fixes the shape instead of autotuning it."""
+    tile=(BLOCK_M rows, TILE_N keys) fixes the shape instead of autotuning it. window /
+    softcap: reference.paged_attention_masked's (the tiles before a program's first window
+    are not read)."""
     block_size, num_kv_heads, group = attention_shapes(q, k_cache, v_cache)
     total, num_heads, head_dim = q.shape
     if group > MAX_GROUP:
@@ -134,11 +155,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_g = triton.next_power_of_2(group)
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, scale,
-            q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0),
-            k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1))
+            window or 0, softcap or 0.0, q.stride(0), q.stride(1), block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+            out.stride(1))
     shape = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g,
                  BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-                 FP32=compute_in_fp32(q.dtype), PRECISION=dot_precision(q.dtype))
+                 FP32=compute_in_fp32(q.dtype), PRECISION=dot_precision(q.dtype),
+                 WINDOWED=bool(window), SOFTCAPPED=bool(softcap))
     if tile is None and interpreting():
         tile = (max(DEFAULT_BLOCK_M, block_g), tile_tokens(block_size, q.dtype))
     if tile is not None:
