@@ -19,7 +19,7 @@ import tritonserve
 from tritonserve.engine.config import EngineConfig
 from tritonserve.engine.models import FAMILIES, ModelArch, family_for
 from tritonserve.engine.models import gguf as gguf_weights
-from tritonserve.engine.models.family import DecoderVariant, variant_from
+from tritonserve.engine.models.family import DecoderVariant, Rope, variant_from
 from tritonserve.engine.plan import layers_refusal
 
 from .tiny_models import write_tiny_model
@@ -32,7 +32,8 @@ BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
 def test_every_file_in_families_is_a_registered_family():
     files = {p.stem for p in (ROOT / "tritonserve/engine/models/families").glob("*.py")
              if p.stem != "__init__"}
-    assert files == {"llama", "mistral", "qwen2", "qwen3"}
+    assert files == {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "granite", "olmo2",
+                     "smollm3"}
     assert set(FAMILIES) == files
     for family in FAMILIES.values():
         for arch in family.architectures:
@@ -59,15 +60,16 @@ def test_the_shipped_variants_are_what_each_family_differs_in():
 
 
 def test_an_unknown_family_or_variant_value_is_refused_naming_it():
-    with pytest.raises(ValueError, match=r"unsupported architectures \['GPT2LMHeadModel'\]; "
-                                         r"supported: LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"^GPT2LMHeadModel is not supported \(supported: "
+                                         r"Gemma3ForCausalLM.*LlamaForCausalLM"):
         ModelArch.from_dict({**BASE, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="hidden_act 'relu' is not supported"):
         ModelArch.from_dict({**BASE, "architectures": ["LlamaForCausalLM"],
                              "hidden_act": "relu"})
-    with pytest.raises(ValueError, match="rope_kind 'yarn' is not supported"):
+    with pytest.raises(ValueError, match="rope_type 'mrope' is not supported; supported: "
+                                         "default, llama3, linear, yarn, longrope, dynamic"):
         ModelArch.from_dict({**BASE, "architectures": ["LlamaForCausalLM"],
-                             "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+                             "rope_scaling": {"rope_type": "mrope", "factor": 4.0}})
     with pytest.raises(ValueError, match="norm_placement 'middle' is not supported"):
         variant_from(BASE, norm_placement="middle")
 
@@ -77,12 +79,13 @@ def test_the_layers_op_check_is_read_from_the_variant():
     config = EngineConfig(model="x", dtype="float32")
     llama = ModelArch.from_dict({**BASE, "architectures": ["LlamaForCausalLM"]})
     assert llama.variant.layers_op_refusal() is None
-    odd = dict(norm_placement="sandwich", activation="gelu_tanh", rope_bases=(1e4, 1e6, 1e4),
-               embedding_scale=2.0, logit_softcap=30.0)
+    odd = dict(norm_placement="sandwich", activation="gelu_tanh",
+               ropes=(Rope(1e4), Rope(1e6, fraction=0.5)), layer_ropes=(0, 1, None),
+               attn_softcap=50.0, residual_scale=0.5, embedding_scale=2.0)
     variant = variant_from(BASE, **odd)
-    assert variant.layers_op_refusal() == ("sandwich norms, gelu_tanh activation, a rope "
-                                           "base per layer, an embedding scale, a logit "
-                                           "soft-cap")
+    assert variant.layers_op_refusal() == (
+        "sandwich norms, gelu_tanh activation, a rope table per layer, layers without rope, "
+        "partial rotary, an attention soft-cap, a residual multiplier, an embedding scale")
     import dataclasses
     arch = dataclasses.replace(llama, variant=variant)
     assert layers_refusal(config, arch, library=True).endswith(variant.layers_op_refusal())

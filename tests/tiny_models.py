@@ -51,6 +51,29 @@ def write_tokenizer(folder: Path, vocab_size: int = 384, metaspace: bool = False
     return tokenizer.get_vocab_size()
 
 
+# Each family's own fields, small enough for the tiny model and set so that every way it
+# differs from Llama is exercised: Gemma's windows shorter than the test prompts (a 6-layer
+# Gemma 3 has a global layer among five local ones), soft-caps near the scores' range,
+# Phi-3's partial rotary, Granite's multipliers away from 1, SmolLM3's NoPE layer.
+FAMILY_SHAPES: dict[str, dict] = {
+    "Qwen3ForCausalLM": dict(head_dim=16),
+    "Gemma2ForCausalLM": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                              attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                              num_hidden_layers=3, tie_word_embeddings=True),
+    "Gemma3ForCausalLM": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                              num_hidden_layers=6, tie_word_embeddings=True, rope_parameters={
+                                  "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                     "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default",
+                                                        "rope_theta": 1e4}}),
+    "Phi3ForCausalLM": dict(partial_rotary_factor=0.5),
+    "GraniteForCausalLM": dict(embedding_multiplier=6.0, residual_multiplier=0.3,
+                               attention_multiplier=0.2, logits_scaling=2.5),
+    "Olmo2ForCausalLM": dict(),
+    "SmolLM3ForCausalLM": dict(no_rope_layer_interval=2, tie_word_embeddings=True),
+}
+
+
 def write_tiny_model(folder: Path, architecture: str = "LlamaForCausalLM", seed: int = 0,
                      metaspace: bool = False, **overrides) -> Path:
     import transformers
@@ -67,9 +90,14 @@ def write_tiny_model(folder: Path, architecture: str = "LlamaForCausalLM", seed:
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Gemma2ForCausalLM": transformers.Gemma2Config,
+        "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+        "Phi3ForCausalLM": transformers.Phi3Config,
+        "GraniteForCausalLM": transformers.GraniteConfig,
+        "Olmo2ForCausalLM": transformers.Olmo2Config,
+        "SmolLM3ForCausalLM": transformers.SmolLM3Config,
     }[architecture]
-    if architecture == "Qwen3ForCausalLM":
-        common["head_dim"] = 16
+    common.update(FAMILY_SHAPES.get(architecture, {}))
     common.update(overrides)
     config = family(**common)
     config.architectures = [architecture]
@@ -98,9 +126,12 @@ def with_eos(source: Path, target: Path, eos_token_id: int) -> Path:
 def eos_variant(model_dir: str, target: Path, prompt: str) -> tuple[str, int]:
     """A copy of the model whose EOS is the token greedy decoding samples at index K >= 4
     after `prompt` (one not seen before it): greedy decoding of `prompt` then stops with EOS
-    after exactly K tokens. Returns (folder, K)."""
+    after exactly K tokens. Returns (folder, K). The token is no JSON punctuation: a JSON
+    schema request on the copy must still be able to close its object."""
     from tritonserve.engine import LLM, SamplingParams
-    tokens = LLM(model_dir).generate([prompt], SamplingParams(
-        temperature=0.0, max_tokens=12, ignore_eos=True))[0].token_ids
-    k = next(i for i in range(4, len(tokens)) if tokens[i] not in tokens[:i])
+    llm = LLM(model_dir)
+    tokens = llm.generate([prompt], SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True))[0].token_ids
+    k = next(i for i in range(4, len(tokens)) if tokens[i] not in tokens[:i]
+             and not set(llm.tokenizer.decode([tokens[i]])) & set('{}[]":,'))
     return str(with_eos(Path(model_dir), target, tokens[k])), k

@@ -66,15 +66,21 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]"""
         self.for_step().store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta, scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, window, softcap)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         """forward after its store: q [T, num_heads, head_dim] against the caches, which
-        already hold this step's K/V."""
+        already hold this step's K/V. window: the layer's sliding window (a query at p sees
+        (p - window, p]), softcap: its score soft-cap; a step no key of which falls outside
+        the window runs the plain kernels."""
+        if softcap is not None or (window is not None and reaches_past(meta, window)):
+            return self.masked(q, k_cache, v_cache, meta, scale, window, softcap)
         impl = self.for_step()
         nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
         outputs = []
@@ -87,11 +93,38 @@ class AttentionBackend:
                                         meta.prefill_max_q_len, scale))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
+    def masked(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int | None, softcap: float | None) -> torch.Tensor:
+        """attend with a window or soft-cap: the decode rows and the prefill rows each
+        through kernels/reference.py's paged_attention_masked (which skips the pages before
+        the window), unless the backend has kernels that take them."""
+        nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
+        outputs = []
+        if nd:
+            cu = torch.arange(nd + 1, dtype=torch.int32, device=q.device)
+            outputs.append(reference.paged_attention_masked(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, cu, meta.decode_seq_lens,
+                scale, window, softcap))
+        if nd < q.shape[0]:
+            outputs.append(reference.paged_attention_masked(
+                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                meta.prefill_seq_lens, scale, window, softcap))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
     def for_step(self) -> AttentionBackend:
         """Itself, eager (a registered op costs 8-20 us more a call, measured); while
         torch.compile traces, the same backend through the registered ops below, which the
         graph keeps as opaque calls."""
         return ThroughOps(self) if torch.compiler.is_compiling() else self
+
+
+def reaches_past(meta: AttentionMetadata, window: int) -> bool:
+    """Some query of the step has keys outside `window` (the host knows the decode rows'
+    longest context; the prefill rows' lengths are read, once a windowed layer asks)."""
+    if meta.decode_max_seq_len > window:
+        return True
+    lens = meta.prefill_seq_lens
+    return lens.numel() > 0 and int(lens.max()) > window
 
 
 class ThroughOps(AttentionBackend):
@@ -213,6 +246,25 @@ class CpuAttention(TorchAttention):
         tables, lens = self._rows_of(block_tables, cu_seqlens_q, seq_lens)
         return self.cpu_decode(q, k_cache, v_cache, tables, lens, scale, cached=True)
 
+    def masked(self, q, k_cache, v_cache, meta, scale, window, softcap):
+        """The C++ op takes the window and the soft-cap (its portable kernel, which reads no
+        page before the window): decode rows, and prefill chunks as decode rows."""
+        if (self.cpu_decode is None or meta.num_decode_tokens is None
+                or meta.prefill_max_q_len > PREFILL_AS_DECODE_MAX):
+            return super().masked(q, k_cache, v_cache, meta, scale, window, softcap)
+        masks = (window or 0, softcap or 0.0)
+        nd = meta.num_decode_tokens
+        outputs = []
+        if nd:
+            outputs.append(self.cpu_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                           meta.decode_seq_lens, scale, False, *masks))
+        if nd < q.shape[0]:
+            tables, lens = self._rows_of(meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                                         meta.prefill_seq_lens)
+            outputs.append(self.cpu_decode(q[nd:], k_cache, v_cache, tables, lens, scale, True,
+                                           *masks))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
     def _rows_of(self, block_tables, cu_seqlens_q, seq_lens):
         """Every query row as a decode row over its first position + 1 tokens: its block
         table and length. Every layer of a step asks with the same tensors (AttentionMetadata
@@ -244,6 +296,22 @@ class TritonAttention(AttentionBackend):
                 scale):
         return kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                seq_lens, scale, max_q_len=max_q_len)
+
+
+    def masked(self, q, k_cache, v_cache, meta, scale, window, softcap):
+        """The kernels take the window and the soft-cap themselves."""
+        nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
+        outputs = []
+        if nd:
+            outputs.append(kernels.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                scale, max_seq_len=meta.decode_max_seq_len, window=window, softcap=softcap))
+        if nd < q.shape[0]:
+            outputs.append(kernels.paged_prefill_attention(
+                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                meta.prefill_seq_lens, scale, max_q_len=meta.prefill_max_q_len, window=window,
+                softcap=softcap))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 BACKENDS = {"triton": TritonAttention, "cpu": CpuAttention, "torch": TorchAttention}

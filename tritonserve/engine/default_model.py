@@ -86,9 +86,15 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .models import gguf_convert
+
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
+        if gguf_convert.converts_itself(gguf_file):
+            gguf_convert.convert(gguf_file, work)
+            _finish(gguf_file, work, target)
+            return
         folder, name = str(gguf_file.parent), gguf_file.name
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
                                                      dtype=torch.float32)
@@ -106,11 +112,16 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
         config["dtype"] = UPSTREAM_DTYPE
         config["architectures"] = [type(model).__name__]
         (work / "config.json").write_text(json.dumps(config, indent=2))
-        (work / SOURCE).write_text(str(gguf_file.resolve()) + "\n")
-        (work / _MARKER).write_text(gguf_file.name + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        work.rename(target)
+        _finish(gguf_file, work, target)
     finally:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _finish(gguf_file: Path, work: Path, target: Path) -> None:
+    """The converted folder marked with its source and moved into place."""
+    (work / SOURCE).write_text(str(gguf_file.resolve()) + "\n")
+    (work / _MARKER).write_text(gguf_file.name + "\n")
+    if target.exists():
+        shutil.rmtree(target)
+    work.rename(target)

@@ -149,8 +149,7 @@ def check_cache_fits_memory(num_blocks: int, config: EngineConfig, arch: ModelAr
 def resolve_max_model_len(config: EngineConfig, arch: ModelArch, blocks: int) -> int:
     """The longest sequence served: --max-model-len, else the model's positions, capped by
     what the KV cache holds (one sequence of max_model_len must always fit, so a request
-    alone can always finish). Refuses, in one line, a max_model_len the cache cannot hold and
-    a sliding-window model past its window (this engine attends to the whole context)."""
+    alone can always finish). Refuses, in one line, a max_model_len the cache cannot hold."""
     positions = arch.max_position_embeddings
     capacity = blocks * config.cache.block_size
     wanted = config.scheduler.max_model_len
@@ -165,9 +164,4 @@ def resolve_max_model_len(config: EngineConfig, arch: ModelArch, blocks: int) ->
     if wanted is None and capacity < positions:
         log.info("max_model_len %d (the KV cache's %d blocks; the model has %d positions)",
                  max_model_len, blocks, positions)
-    window = arch.sliding_window
-    if window is not None and window < max_model_len:
-        raise ValueError(f"{arch.architecture} uses sliding-window attention (window {window}), "
-                         f"which this engine does not implement: serve it with max_model_len "
-                         f"<= {window} (got {max_model_len})")
     return max_model_len

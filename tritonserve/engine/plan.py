@@ -108,7 +108,7 @@ def layers_refusal(config: EngineConfig, arch: ModelArch, library: bool) -> str 
     what = f"{arch.architecture} in {config.dtype}"
     if config.torch_dtype not in PANEL_DTYPES:
         return f"{what}: no panels in {config.dtype}"
-    differs = arch.variant.layers_op_refusal()
+    differs = arch.variant.layers_op_refusal() or masked_attention(arch)
     if differs is not None:
         return f"{what}: {differs}"
     if config.dtype == "bfloat16" and arch.intermediate_size % 16:
@@ -119,6 +119,18 @@ def layers_refusal(config: EngineConfig, arch: ModelArch, library: bool) -> str 
                 f"KV head, block size {config.cache.block_size} in this build "
                 f"({cpu.describe()})")
     return None
+
+
+def masked_attention(arch: ModelArch) -> str | None:
+    """What in the model's attention the layers op and the compiled graphs do not take (a
+    window shorter than the model's context, a score soft-cap: engine/attention.py's masked
+    path runs those), or None."""
+    window = arch.sliding_window
+    reasons = [r for r, odd in (
+        (f"sliding windows of {window}", window is not None
+         and window < arch.max_position_embeddings),
+        ("an attention soft-cap", arch.variant.attn_softcap is not None)) if odd]
+    return ", ".join(reasons) or None
 
 
 def _mode(config: EngineConfig, arch: ModelArch, device: str,
@@ -140,7 +152,10 @@ def _mode(config: EngineConfig, arch: ModelArch, device: str,
         return "layers", "asked"
     if asked != "auto":
         return asked, "asked"
+    masked = masked_attention(arch)
     if device == "cuda" and config.use_triton("attention"):
+        if masked is not None:
+            return "eager", f"auto on CUDA; the graphs do not take {masked}"
         return "cudagraph", "auto on CUDA"
     if device != "cpu" or config.use_triton("attention"):
         return "eager", f"auto on {device} with the {config.attention_backend} attention"
@@ -150,4 +165,6 @@ def _mode(config: EngineConfig, arch: ModelArch, device: str,
     refusal = layers_refusal(config, arch, library)
     if refusal is None:
         return "layers", f"auto on the CPU in {config.dtype}"
+    if masked is not None:  # its host reads of the lengths would break the graph
+        return "eager", f"auto; layers and compile do not take {masked}"
     return LAYERS_FALLBACK, f"auto; layers does not take {refusal}"

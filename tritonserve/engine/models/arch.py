@@ -3,7 +3,6 @@ shapes, and the variant its family (engine/models/family.py) reads from the conf
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +26,6 @@ class ModelArch:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None = None  # the checkpoint's dtype, as config.json names it
@@ -44,6 +41,11 @@ class ModelArch:
     @property
     def qk_norm(self) -> bool:
         return self.variant.qk_norm is not None
+
+    @property
+    def rope_theta(self) -> float:
+        """The first rope table's base (every layer's, but for a family with several)."""
+        return self.variant.ropes[0].theta
 
     @property
     def sliding_window(self) -> int | None:
@@ -62,13 +64,25 @@ class ModelArch:
 
     @classmethod
     def from_dict(cls, config: dict, eos: int | list[int] | None = None) -> "ModelArch":
+        """The arch of a config.json; a field the family needs and the config lacks is one
+        ValueError naming it."""
+        try:
+            return cls._from_dict(config, eos)
+        except KeyError as exc:
+            named = ", ".join(config.get("architectures") or ()) or config.get("model_type")
+            raise ValueError(f"{named}: config.json has no {exc.args[0]!r}") from None
+
+    @classmethod
+    def _from_dict(cls, config: dict, eos: int | list[int] | None) -> "ModelArch":
         family = family_for(config)
+        if isinstance(config.get("text_config"), dict):  # a multimodal checkpoint's text tower
+            config = {**config["text_config"], "architectures": config.get("architectures"),
+                      **({"eos_token_id": config["eos_token_id"]}
+                         if "eos_token_id" in config else {})}
         arch = next((a for a in config.get("architectures") or ()
                      if a in family.architectures), family.architectures[0])
         variant = family.variant(config)
         num_heads = config["num_attention_heads"]
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        rope_theta = rope.pop("rope_theta", None) or config.get("rope_theta", 10000.0)
         eos = config.get("eos_token_id") if eos is None else eos
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -83,8 +97,6 @@ class ModelArch:
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope if variant.rope_kind != "default" else None,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             eos_token_ids=eos_ids,
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
@@ -109,27 +121,3 @@ class ModelArch:
         elem = torch.finfo(dtype).bits // 8
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
-
-def rope_inv_freq(arch: ModelArch, base: float | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in fp32 for `base` (None: arch.rope_theta), with
-    Llama 3 or linear scaling applied."""
-    d = arch.head_dim
-    inv_freq = 1.0 / ((base or arch.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = arch.rope_scaling
-    if not scaling:
-        return inv_freq
-    rope_type = scaling.get("rope_type", scaling.get("type"))
-    factor = float(scaling["factor"])
-    if rope_type == "linear":
-        return inv_freq / factor
-    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-    old_len = float(scaling.get("original_max_position_embeddings", 8192))
-    low_freq_wavelen = old_len / low_freq_factor
-    high_freq_wavelen = old_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)

@@ -1,6 +1,7 @@
 """The generic decoder over a flattened token batch: Llama's layer, with each way a family
 differs read from its DecoderVariant (engine/models/family.py: norm placement, activation,
-q/k norms, qkv bias, rope base per layer, embedding scale, tied head, logit soft-cap).
+q/k norms, qkv bias, a rope table per layer or none, attention windows, scale and soft-cap,
+residual, embedding and logit multipliers, tied head, logit soft-cap).
 
 Projections are fused: one qkv matmul and one gate/up matmul per layer.
 """
@@ -16,12 +17,10 @@ from tritonserve.kernels import cpu, quant_layout
 from .. import huge_pages
 from ..attention import AttentionBackend, AttentionMetadata
 from . import ops
-from .arch import ModelArch, rope_inv_freq
+from .arch import ModelArch
 from .gguf import fuse_rows
 from .linear import Linear, linear, pack, weight_form
-
-
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim] for a step's positions
+from .rope import RopeTables, RotaryEmbedding
 
 
 @dataclass
@@ -44,29 +43,6 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class RotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) rope with a precomputed cos/sin table."""
-
-    def __init__(self, arch: ModelArch, max_positions: int, base: float | None = None) -> None:
-        super().__init__()
-        self.base = base
-        inv_freq = rope_inv_freq(arch, base)  # [head_dim/2]
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        """Once a step, not once a layer: positions [T] -> cos, sin [T, 1, head_dim]."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
-
-    @staticmethod
-    def apply(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated by its positions' tables (models/ops.py: Rope)."""
-        return ops.rope(x, *tables)
-
-
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch, layer_index: int) -> None:
         super().__init__()
@@ -75,31 +51,43 @@ class Attention(nn.Module):
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        variant = arch.variant
+        self.scale = variant.attention_scale or self.head_dim ** -0.5
+        self.window = variant.window_of(layer_index)
+        self.softcap = variant.attn_softcap
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=arch.qkv_bias)
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
-        self.qk_norm = arch.qk_norm
-        if arch.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+        self.qk_norm = variant.qk_norm  # None, "head" or "full" (family.py)
+        if self.qk_norm:
+            full = self.qk_norm == "full"
+            self.q_norm = RMSNorm(self.q_size if full else self.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size if full else self.head_dim, arch.rms_norm_eps)
 
-    def forward(self, rope: RopeTables, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, rope: RopeTables | None, x: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """rope: this layer's tables, None for a layer without rope."""
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
-        fused = None if self.qk_norm else ctx.backend.rope_store(qkv)
+        masks = dict(window=self.window, softcap=self.softcap)
+        whole = rope is not None and rope[0].shape[-1] == self.head_dim
+        fused = ctx.backend.rope_store(qkv) if whole and not self.qk_norm else None
         if fused is not None:  # rope, the split and the cache write in one op
             q = fused(qkv, *rope, ctx.meta.slot_mapping, k_cache, v_cache, self.num_heads)
-            out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)
+            out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale, **masks)
             return self.o_proj(out.reshape(-1, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, rope), RotaryEmbedding.apply(k, rope)
-        out = ctx.backend.forward(q, k, v.contiguous(), k_cache, v_cache, ctx.meta, self.scale)
+        if rope is not None:
+            q, k = RotaryEmbedding.apply(q, rope), RotaryEmbedding.apply(k, rope)
+        out = ctx.backend.forward(q, k.contiguous(), v.contiguous(), k_cache, v_cache,
+                                  ctx.meta, self.scale, **masks)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -134,15 +122,19 @@ class DecoderLayer(nn.Module):
         super().__init__()
         variant = arch.variant
         self.placement = variant.norm_placement
-        bases = variant.rope_bases
-        self.rope_base = bases[layer_index] if bases else arch.rope_theta
+        self.rope_slot = variant.rope_of(layer_index)  # DecoderForCausalLM.ropes; None: none
+        self.residual_scale = variant.residual_scale
         self.self_attn = Attention(arch, layer_index)
         self.mlp = MLP(arch)
         self.norm_names = variant.norm_names()
         for name in self.norm_names:  # by the checkpoint's names (loader.py)
             setattr(self, name, RMSNorm(arch.hidden_size, arch.rms_norm_eps))
 
-    def forward(self, rope: RopeTables, x: torch.Tensor, residual: torch.Tensor | None,
+    def scaled(self, h: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as it joins the stream (Granite's residual multiplier)."""
+        return h if self.residual_scale == 1.0 else h * self.residual_scale
+
+    def forward(self, rope: RopeTables | None, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's last sublayer output, residual: the stream before it
         (None for the first layer, whose x is the embedding) -> this layer's (last sublayer
@@ -152,17 +144,18 @@ class DecoderLayer(nn.Module):
                 residual, h = x, self.input_layernorm(x)
             else:
                 h, residual = self.input_layernorm(x, residual)
-            h = self.self_attn(rope, h, ctx)
+            h = self.scaled(self.self_attn(rope, h, ctx))
             h, residual = self.post_attention_layernorm(h, residual)
-            return self.mlp(h), residual
+            return self.scaled(self.mlp(h)), residual
         stream = x if residual is None else x + residual
         if self.placement == "post":
-            stream = stream + self.post_attention_layernorm(self.self_attn(rope, stream, ctx))
-            return self.post_feedforward_layernorm(self.mlp(stream)), stream
+            h = self.post_attention_layernorm(self.self_attn(rope, stream, ctx))
+            stream = stream + self.scaled(h)
+            return self.scaled(self.post_feedforward_layernorm(self.mlp(stream))), stream
         h = self.self_attn(rope, self.input_layernorm(stream), ctx)  # sandwich
-        stream = stream + self.post_attention_layernorm(h)
+        stream = stream + self.scaled(self.post_attention_layernorm(h))
         h = self.mlp(self.pre_feedforward_layernorm(stream))
-        return self.post_feedforward_layernorm(h), stream
+        return self.scaled(self.post_feedforward_layernorm(h)), stream
 
 
 class DecoderForCausalLM(nn.Module):
@@ -172,17 +165,17 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rope = RotaryEmbedding(arch, max_positions)
-        # a family with a rope base per layer: a table for each other base; a layer's
-        # rope_slot indexes them (-1: self.rope)
-        bases = sorted({layer.rope_base for layer in self.layers} - {arch.rope_theta})
-        self.other_ropes = nn.ModuleList(RotaryEmbedding(arch, max_positions, base)
-                                         for base in bases)
-        for layer in self.layers:
-            layer.rope_slot = bases.index(layer.rope_base) if layer.rope_base in bases else -1
+        # the variant's rope tables; a layer's rope_slot indexes them (None: no rope). The
+        # first is also self.rope, the one the layers op reads.
+        self.ropes = nn.ModuleList(RotaryEmbedding(r, arch.head_dim, max_positions)
+                                   for r in arch.variant.ropes)
         if not arch.tie_word_embeddings:
             self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.packed_tied_lm_head: torch.Tensor | None = None  # set by prepack_weights
+
+    @property
+    def rope(self) -> RotaryEmbedding:
+        return self.ropes[0]
 
     def prepack_weights(self, form: str, batch_hint: int) -> None:
         """Every projection weight in `form` (the decode plan's weights: panels, onednn or
@@ -225,9 +218,12 @@ class DecoderForCausalLM(nn.Module):
         keeps its dense weights. The embedding stays dense for the lookup."""
         device = self.embed_tokens.weight.device
 
-        def use(proj: Linear, names: list[str]) -> None:
+        def use(proj: Linear, names: list[str], *fused: str) -> None:
+            """the parts by `names`, else one fused tensor (Phi-3's attn_qkv, ffn_up)"""
             parts = [tensors.get(n) for n in names]
-            if all(p is not None for p in parts):
+            if not all(p is not None for p in parts):
+                parts = [tensors.get(n) for n in fused]
+            if parts and all(p is not None for p in parts):
                 packed = fuse_rows(parts)
                 if packed is not None:
                     proj.weight = nn.Parameter(packed.to(device), requires_grad=False)
@@ -235,9 +231,11 @@ class DecoderForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            use(attn.qkv_proj, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"])
+            use(attn.qkv_proj, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"],
+                f"{p}self_attn.qkv_proj.weight")
             use(attn.o_proj, [f"{p}self_attn.o_proj.weight"])
-            use(mlp.gate_up_proj, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"])
+            use(mlp.gate_up_proj, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
+                f"{p}mlp.gate_up_proj.weight")
             use(mlp.down_proj, [f"{p}mlp.down_proj.weight"])
         if self.arch.tie_word_embeddings:
             head = tensors.get("model.embed_tokens.weight")
@@ -294,7 +292,7 @@ class DecoderForCausalLM(nn.Module):
         panels = [lin.weight for lin in linears]
         biases = [layer.self_attn.qkv_proj.bias for layer in self.layers] if arch.qkv_bias \
             else []
-        head_scale = arch.head_dim ** -0.5
+        head_scale = arch.variant.attention_scale or arch.head_dim ** -0.5
         # the op looks the step's rows up itself (the embedding, rope's tables in the
         # dtype: the values of lookup()) and ends with the final norm: three dispatched ops
         # fewer, ~45 us each in a batch-1 step
@@ -319,12 +317,11 @@ class DecoderForCausalLM(nn.Module):
         variant = self.arch.variant
         if variant.embedding_scale != 1.0:  # in the dtype, as Gemma's reference scales
             x = x * torch.tensor(variant.embedding_scale, dtype=x.dtype)
-        rope = self.rope.lookup(positions, x.dtype)
-        tables = [table.lookup(positions, x.dtype) for table in self.other_ropes]
+        tables = [table.lookup(positions, x.dtype) for table in self.ropes]
         residual = None
         for layer in self.layers:
-            x, residual = layer(rope if layer.rope_slot < 0 else tables[layer.rope_slot], x,
-                                residual, ctx)
+            x, residual = layer(None if layer.rope_slot is None else tables[layer.rope_slot],
+                                x, residual, ctx)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -335,5 +332,8 @@ class DecoderForCausalLM(nn.Module):
             head = self.packed_tied_lm_head
             logits = linear(hidden, self.embed_tokens.weight if head is None else head,
                             out_features=self.arch.vocab_size)
-        cap = self.arch.variant.logit_softcap
+        variant = self.arch.variant
+        if variant.logit_scale != 1.0:
+            logits = logits * variant.logit_scale
+        cap = variant.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -21,7 +21,8 @@ NORM_PLACEMENTS = ("pre", "post", "sandwich")
 # approximation, what Gemma's gelu_pytorch_tanh computes)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
                "gelu_tanh": "gelu_tanh"}
-ROPE_KINDS = ("default", "llama3", "linear")
+# rope_type -> how its inverse frequencies are made (engine/models/rope.py)
+ROPE_KINDS = ("default", "llama3", "linear", "yarn", "longrope", "dynamic")
 
 # llama.cpp's block tensor names -> the checkpoint's module names (gguf.py's hf_name)
 LLAMA_GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -31,42 +32,110 @@ LLAMA_GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
 
 
 @dataclass(frozen=True)
+class Rope:
+    """One rope table's recipe: its base (theta), its kind (ROPE_KINDS) with the config's
+    scaling fields (frozen as sorted items; lists as tuples), and the fraction of a head it
+    rotates (partial_rotary_factor: the first fraction x head_dim dims)."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    params: tuple[tuple[str, object], ...] = ()
+    fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"rope_type {self.kind!r} is not supported; supported: "
+                             f"{', '.join(ROPE_KINDS)}")
+        if not 0.0 < self.fraction <= 1.0:
+            raise ValueError(f"partial_rotary_factor {self.fraction} must be in (0, 1]")
+
+    def get(self, name: str, default: object = None) -> object:
+        return dict(self.params).get(name, default)
+
+
+def rope_from(config: dict, rope: dict | None = None, theta: float | None = None) -> Rope:
+    """The Rope a config describes: `rope` (a rope_parameters / rope_scaling dict; None: the
+    config's own) with its base from the dict, `theta`, or the config's rope_theta. The
+    original context length and partial_rotary_factor may sit at the config's top level
+    (Phi-3's do); they are copied in."""
+    if rope is None:
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = dict(rope)
+    kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    base = rope.pop("rope_theta", None) or theta or config.get("rope_theta") or 10000.0
+    fraction = rope.pop("partial_rotary_factor", None) or config.get(
+        "partial_rotary_factor") or 1.0
+    if kind != "default":
+        rope.setdefault("original_max_position_embeddings", config.get(
+            "original_max_position_embeddings") or config.get("max_position_embeddings"))
+        rope.setdefault("max_position_embeddings", config.get("max_position_embeddings"))
+    if kind == "su":  # Phi-3's first name for longrope
+        kind = "longrope"
+    params = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                          for k, v in rope.items() if kind != "default"))
+    return Rope(theta=float(base), kind=kind, params=params, fraction=float(fraction))
+
+
+@dataclass(frozen=True)
 class DecoderVariant:
     """How one model's decoder differs from Llama's; each default is Llama's.
 
     norm_placement: pre (norm, sublayer, add: Llama), post (sublayer, norm, add: OLMo 2),
       sandwich (norm, sublayer, norm, add: Gemma 2/3). norm_offset: each RMSNorm scales by
       offset + weight (Gemma stores weight - 1: offset 1.0), folded into the weight at load.
-    activation: the gate's, silu or gelu_tanh. qk_norm: None, or "head" (an RMSNorm over each
-      head's q and k before rope: Qwen3). qkv_bias: q, k and v carry biases (Qwen2).
-    rope_kind: default, llama3 or linear (the scaling of ModelArch.rope_scaling);
-      rope_bases: a base per layer, () for ModelArch.rope_theta everywhere.
-    windows: an attention window per layer (None: the whole context), () for none at all.
-    embedding_scale: the embedding's rows times this (Gemma: sqrt(hidden)).
-    tied_head: the output layer is the embedding table. logit_softcap: logits become
-      cap * tanh(logits / cap) (Gemma 2), None for none."""
+    activation: the gate's, silu or gelu_tanh. qk_norm: None, "head" (an RMSNorm over each
+      head's q and k before rope: Qwen3, Gemma 3) or "full" (over the whole q and k
+      projections: OLMo 2). qkv_bias: q, k and v carry biases (Qwen2).
+    ropes: the rope tables; layer_ropes: each layer's index into them (None: that layer has
+      no rope, SmolLM3's NoPE layers), () for ropes[0] everywhere (Gemma 3: a local and a
+      global table).
+    windows: an attention window per layer (None: the whole context), () for none at all;
+      a query at position p sees the keys at positions (p - window, p].
+    attention_scale: q.k's scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar **
+      -0.5, Granite: attention_multiplier). attn_softcap: scores become cap * tanh(s / cap)
+      before the softmax (Gemma 2).
+    residual_scale: each sublayer's output times this before it joins the stream (Granite's
+      residual_multiplier). embedding_scale: the embedding's rows times this (Gemma:
+      sqrt(hidden), Granite: embedding_multiplier), in the model's dtype.
+    tied_head: the output layer is the embedding table. logit_scale: logits times this
+      (Granite: 1 / logits_scaling); logit_softcap: then cap * tanh(logits / cap) (Gemma 2),
+      None for none."""
 
     norm_placement: str = "pre"
     norm_offset: float = 0.0
     activation: str = "silu"
     qk_norm: str | None = None
     qkv_bias: bool = False
-    rope_kind: str = "default"
-    rope_bases: tuple[float, ...] = ()
+    ropes: tuple[Rope, ...] = (Rope(),)
+    layer_ropes: tuple[int | None, ...] = ()
     windows: tuple[int | None, ...] = ()
+    attention_scale: float | None = None
+    attn_softcap: float | None = None
+    residual_scale: float = 1.0
     embedding_scale: float = 1.0
     tied_head: bool = False
+    logit_scale: float = 1.0
     logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         checks = (("norm_placement", self.norm_placement, NORM_PLACEMENTS),
                   ("activation", self.activation, tuple(set(ACTIVATIONS.values()))),
-                  ("qk_norm", self.qk_norm, (None, "head")),
-                  ("rope_kind", self.rope_kind, ROPE_KINDS))
+                  ("qk_norm", self.qk_norm, (None, "head", "full")))
         for name, value, allowed in checks:
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} is not supported; supported: "
                                  f"{', '.join(map(str, allowed))}")
+        bad = [i for i in self.layer_ropes if i is not None and not 0 <= i < len(self.ropes)]
+        if bad:
+            raise ValueError(f"layer_ropes name ropes {bad}; there are {len(self.ropes)}")
+
+    def rope_of(self, layer: int) -> int | None:
+        """Layer `layer`'s index into ropes (None: no rope)."""
+        return self.layer_ropes[layer] if self.layer_ropes else 0
+
+    def window_of(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
 
     def norm_names(self) -> tuple[str, ...]:
         """A layer's norms, by the checkpoint's names, in the order they run."""
@@ -87,29 +156,32 @@ class DecoderVariant:
             (f"{self.norm_placement} norms", self.norm_placement != "pre"),
             (f"{self.activation} activation", self.activation != "silu"),
             ("q/k norms", self.qk_norm is not None),
-            ("a rope base per layer", len(set(self.rope_bases)) > 1),
-            ("an embedding scale", self.embedding_scale != 1.0),
-            ("a logit soft-cap", self.logit_softcap is not None)) if odd]
+            ("a rope table per layer", len(set(self.layer_ropes) - {None}) > 1),
+            ("layers without rope", None in self.layer_ropes),
+            ("partial rotary", any(r.fraction < 1.0 for r in self.ropes)),
+            ("an attention soft-cap", self.attn_softcap is not None),
+            ("a residual multiplier", self.residual_scale != 1.0),
+            ("an embedding scale", self.embedding_scale != 1.0)) if odd]
         return ", ".join(differs) or None
 
 
 def variant_from(config: dict, **family: object) -> DecoderVariant:
     """The variant the config's generic keys say (hidden_act, attention_bias,
-    tie_word_embeddings, rope scaling, sliding_window), with the family's own fields over
-    them. A sliding window here is every layer's; a family with a window per layer passes
-    `windows` itself."""
+    tie_word_embeddings, the rope and its scaling, sliding_window, the soft-caps), with the
+    family's own fields over them. A sliding window here is every layer's; a family with a
+    window per layer passes `windows` itself."""
     act = config.get("hidden_act") or config.get("hidden_activation") or "silu"
     if act not in ACTIVATIONS:
         raise ValueError(f"hidden_act {act!r} is not supported; supported: "
                          f"{', '.join(ACTIVATIONS)}")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     window = config.get("sliding_window")
     generic = dict(
         activation=ACTIVATIONS[act],
         qkv_bias=bool(config.get("attention_bias", False)),
-        rope_kind=rope.get("rope_type", rope.get("type", "default")),
+        ropes=(rope_from(config),),
         windows=(int(window),) * config["num_hidden_layers"] if window else (),
         tied_head=bool(config.get("tie_word_embeddings", False)),
+        attn_softcap=config.get("attn_logit_softcapping"),
         logit_softcap=config.get("final_logit_softcapping"))
     generic.update(family)
     return DecoderVariant(**generic)
@@ -127,6 +199,28 @@ class ModelFamily:
     variant: Callable[[dict], DecoderVariant]
     gguf_rope_permuted: bool = False
     gguf_names: Mapping[str, str] = field(default_factory=lambda: dict(LLAMA_GGUF_NAMES))
+    # the checkpoint stores q, k, v as one qkv_proj and gate, up as one gate_up_proj (Phi-3)
+    fused_checkpoint: bool = False
+    # checkpoint name prefixes read as others (a multimodal checkpoint's text tower), and
+    # prefixes of tensors not read at all (its vision tower)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    checkpoint_ignored: tuple[str, ...] = ()
+    # GGUF: the files' general.architecture -> the checkpoint architecture; gguf_config adds
+    # the family's own metadata keys to a converted config.json (engine/models/gguf_convert.py,
+    # which converts the families that have one; the others go through transformers' GGUF
+    # loader); gguf_norm_shift: what llama.cpp's converter added to every norm weight
+    gguf_archs: Mapping[str, str] = field(default_factory=dict)
+    gguf_config: Callable[[object, dict], None] | None = None
+    gguf_norm_shift: float = 0.0
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as the decoder's slots name it (None: not read)."""
+        if name.startswith(self.checkpoint_ignored):
+            return None
+        for old, new in self.checkpoint_renames:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
 
 
 def _discover() -> dict[str, ModelFamily]:
@@ -147,6 +241,16 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(a for f in FAMILIES.values() for a in f.architectures)
 
 
+def supported_gguf_architectures() -> tuple[str, ...]:
+    return tuple(a for f in FAMILIES.values() for a in f.gguf_archs)
+
+
+def supported_models() -> str:
+    """The line `serve --help` and `generate --help` end with."""
+    return (f"supported models: {', '.join(supported_architectures())} (Hugging Face folders); "
+            f"GGUF files of {', '.join(supported_gguf_architectures())}")
+
+
 def family_for(config: dict) -> ModelFamily:
     """The family of a config.json: by its `architectures`, else by its `model_type`."""
     for arch in config.get("architectures") or ():
@@ -157,5 +261,6 @@ def family_for(config: dict) -> ModelFamily:
     for family in FAMILIES.values():
         if model_type in family.model_types:
             return family
-    raise ValueError(f"unsupported architectures {config.get('architectures') or model_type}; "
-                     f"supported: {', '.join(supported_architectures())}")
+    named = ", ".join(config.get("architectures") or ()) or model_type
+    raise ValueError(f"{named} is not supported (supported: "
+                     f"{', '.join(supported_architectures())})")

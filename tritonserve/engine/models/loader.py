@@ -16,7 +16,9 @@ from torch import nn
 
 from ..parallel import Shard
 from .arch import ModelArch
-from .decoder import DecoderForCausalLM, RMSNorm, RotaryEmbedding
+from .family import FAMILIES
+from .decoder import DecoderForCausalLM, RMSNorm
+from .rope import RotaryEmbedding
 
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -46,6 +48,7 @@ def checkpoint_slots(model: DecoderForCausalLM) -> dict[str, WeightSlot]:
     def whole(name: str, param: torch.nn.Parameter, split: int | None = None) -> None:
         slots[name] = WeightSlot(param, 0, param.shape[0], split)
 
+    fused = FAMILIES[arch.family].fused_checkpoint
     whole("model.embed_tokens.weight", model.embed_tokens.weight)
     whole("model.norm.weight", model.norm.weight)
     if not arch.tie_word_embeddings:
@@ -55,16 +58,23 @@ def checkpoint_slots(model: DecoderForCausalLM) -> dict[str, WeightSlot]:
         attn, mlp = layer.self_attn, layer.mlp
         suffixes = ("weight", "bias") if arch.qkv_bias else ("weight",)
         for suffix in suffixes:
-            fused = getattr(attn.qkv_proj, suffix)
+            qkv = getattr(attn.qkv_proj, suffix)
+            if fused:  # one tensor: a tensor-parallel rank cannot take a row range of it
+                whole(f"{p}self_attn.qkv_proj.{suffix}", qkv)
+                continue
             for name, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
-                slots[f"{p}self_attn.{name}_proj.{suffix}"] = WeightSlot(fused, start, rows, 0)
+                slots[f"{p}self_attn.{name}_proj.{suffix}"] = WeightSlot(qkv, start, rows, 0)
         whole(f"{p}self_attn.o_proj.weight", attn.o_proj.weight, split=1)
         if arch.qk_norm:
             whole(f"{p}self_attn.q_norm.weight", attn.q_norm.weight)
             whole(f"{p}self_attn.k_norm.weight", attn.k_norm.weight)
         inter = arch.intermediate_size
-        slots[f"{p}mlp.gate_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, 0, inter, 0)
-        slots[f"{p}mlp.up_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, inter, inter, 0)
+        if fused:
+            whole(f"{p}mlp.gate_up_proj.weight", mlp.gate_up_proj.weight)
+        else:
+            slots[f"{p}mlp.gate_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, 0, inter, 0)
+            slots[f"{p}mlp.up_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, inter, inter,
+                                                         0)
         whole(f"{p}mlp.down_proj.weight", mlp.down_proj.weight, split=1)
         for norm in layer.norm_names:  # the variant's placement (family.py: norm_names)
             whole(f"{p}{norm}.weight", getattr(layer, norm).weight)
@@ -142,10 +152,12 @@ def load_weights(model: DecoderForCausalLM, folder: str | Path,
 
     for name, tensor in substitute.items():
         put(name, tensor)
+    family = FAMILIES[model.arch.family]
     for path in safetensors_files(folder):
         with open_safetensors(path) as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or name in substitute:
+            for stored in f.keys():
+                name = family.checkpoint_name(stored)
+                if name is None or name.endswith(_IGNORED_SUFFIXES) or name in substitute:
                     continue
                 if name.rpartition(".")[0] in prefixes:
                     continue  # a substituted weight's compressed parts
@@ -154,7 +166,7 @@ def load_weights(model: DecoderForCausalLM, folder: str | Path,
                 if name not in slots:
                     unexpected.append(name)
                     continue
-                put(name, f.get_tensor(name))
+                put(name, f.get_tensor(stored))
     missing = sorted(set(slots) - loaded - {s.split(':')[0] for s in mis_shaped})
     problems = []
     if missing:
@@ -203,9 +215,8 @@ def build_model(arch: ModelArch, folder: str | Path | None, dtype: torch.dtype,
         for name, param in list(module.named_parameters(recurse=False)):
             setattr(module, name, nn.Parameter(
                 torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False))
-    model.rope = RotaryEmbedding(arch, max_positions).to(device)  # the fp32 cos/sin table
-    model.other_ropes = nn.ModuleList(RotaryEmbedding(arch, max_positions, r.base).to(device)
-                                      for r in model.other_ropes)
+    model.ropes = nn.ModuleList(  # the fp32 cos/sin tables
+        RotaryEmbedding(r, arch.head_dim, max_positions).to(device) for r in arch.variant.ropes)
     if dummy:
         init_dummy_weights(model, seed)
     else:

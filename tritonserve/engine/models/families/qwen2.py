@@ -15,4 +15,5 @@ def qwen_windows(config: dict) -> tuple[int | None, ...]:
 
 FAMILY = ModelFamily(
     name="qwen2", architectures=("Qwen2ForCausalLM",), model_types=("qwen2",),
-    variant=lambda config: variant_from(config, qkv_bias=True, windows=qwen_windows(config)))
+    variant=lambda config: variant_from(config, qkv_bias=True, windows=qwen_windows(config)),
+    gguf_archs={"qwen2": "Qwen2ForCausalLM"})

@@ -5,4 +5,5 @@ from .qwen2 import qwen_windows
 
 FAMILY = ModelFamily(
     name="qwen3", architectures=("Qwen3ForCausalLM",), model_types=("qwen3",),
-    variant=lambda config: variant_from(config, qk_norm="head", windows=qwen_windows(config)))
+    variant=lambda config: variant_from(config, qk_norm="head", windows=qwen_windows(config)),
+    gguf_archs={"qwen3": "Qwen3ForCausalLM"})

@@ -1,0 +1,145 @@
+"""A tiny Hugging Face checkpoint written as a GGUF file the way llama.cpp's
+convert_hf_to_gguf.py writes it: its metadata keys (gguf-py's Keys), tensor names (gguf-py's
+TensorNameMap, the converter's own table) and transforms (q/k rows permuted for the `llama`-
+style converters, Gemma's norms stored as 1 + w, Phi-3's longrope factors as tensors), the
+byte-level BPE tokenizer as `gpt2` vocab, projections in F32 or Q8_0 blocks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# HF architecture -> (GGUF arch, q/k permuted, norm shift)
+CONVERTERS = {
+    "Gemma3ForCausalLM": ("gemma3", False, 1.0),
+    "Gemma2ForCausalLM": ("gemma2", False, 1.0),
+    "Phi3ForCausalLM": ("phi3", False, 0.0),
+    "GraniteForCausalLM": ("granite", True, 0.0),
+    "Olmo2ForCausalLM": ("olmo2", False, 0.0),
+    "SmolLM3ForCausalLM": ("smollm3", True, 0.0),
+    "LlamaForCausalLM": ("llama", True, 0.0),
+}
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's LlamaModel.permute: rotate-half rows into interleaved pairs."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _rope_keys(writer, gguf, config: dict) -> None:
+    rope = config.get("rope_parameters") or {}
+    if "full_attention" in rope:  # Gemma 3: the global layers' scaling is the file's
+        rope = rope["full_attention"]
+    kind = rope.get("rope_type", "default")
+    if kind in ("linear", "yarn"):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if kind == "linear"
+                                     else gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        if kind == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+
+
+def write_gguf(folder: Path, path: Path, quantized: bool = False) -> Path:
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    architecture = config["architectures"][0]
+    arch, permuted, shift = CONVERTERS[architecture]
+    n_layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = config.get("rope_parameters") or {}
+    theta = (rope.get("full_attention") or rope).get("rope_theta", 10000.0)
+    writer.add_rope_freq_base(float(theta))
+    fraction = rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
+    writer.add_rope_dimension_count(int(head_dim * fraction))
+    _rope_keys(writer, gguf, config)
+    if config.get("sliding_window") and arch in ("gemma2", "gemma3", "phi3"):
+        writer.add_sliding_window(int(config["sliding_window"]))
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(float(config["attn_logit_softcapping"]))
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+    if arch == "granite":
+        writer.add_embedding_scale(float(config["embedding_multiplier"]))
+        writer.add_residual_scale(float(config["residual_multiplier"]))
+        writer.add_attention_scale(float(config["attention_multiplier"]))
+        writer.add_logit_scale(float(config["logits_scaling"]))
+    if rope.get("rope_type") == "longrope":  # llama.cpp's Phi3MiniModel
+        import math
+        scale = config["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"]))
+            if scale > 1 else 1.0)
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        for name in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{name}.weight",
+                              np.asarray(rope[f"{name}_factor"], dtype=np.float32))
+    _tokenizer(writer, folder)
+
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n_layers)
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue  # the converters skip a tied head
+        tensor = tensor.float()
+        base = name.rsplit(".", 1)[0]
+        target = names.get_name(base)
+        assert target is not None, f"no GGUF name for {name}"
+        if shift and name.endswith("norm.weight"):
+            tensor = tensor + shift
+        if permuted and base.endswith(("q_proj", "k_proj")):
+            tensor = _permute(tensor, heads if base.endswith("q_proj") else kv_heads)
+        data = tensor.numpy()
+        if quantized and data.ndim == 2 and data.shape[1] % 32 == 0:
+            blocks = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(f"{target}.weight", blocks, raw_shape=blocks.shape,
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(f"{target}.weight", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _tokenizer(writer, folder: Path) -> None:
+    """The tiny byte-level BPE as llama.cpp's `gpt2` vocab: tokens, types, merges, ids and the
+    chat template."""
+    import gguf
+
+    data = json.loads((folder / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    specials = {t["content"]: t["id"] for t in data["added_tokens"]}
+    tokens = [None] * (max(list(vocab.values()) + list(specials.values())) + 1)
+    for token, i in {**vocab, **specials}.items():
+        tokens[i] = token
+    types = [gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(specials[config["bos_token"]])
+    writer.add_eos_token_id(specials[config["eos_token"]])
+    writer.add_pad_token_id(specials[config["pad_token"]])
+    writer.add_add_bos_token(False)
+    template = config.get("chat_template")
+    if template is None and (folder / "chat_template.jinja").exists():
+        template = (folder / "chat_template.jinja").read_text()
+    writer.add_chat_template(template)
