@@ -6,13 +6,14 @@ import sys
 
 from .config import CLI_DECODE_MODES, DTYPE_CHOICES, EngineConfig
 from .llm import LLM
+from .models import supported_models
 from .sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tritonserve")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="offline generation")
+    gen = sub.add_parser("generate", help="offline generation", epilog=supported_models())
     gen.add_argument("--model", default=None, help="local HF folder (default: embedded SmolLM2)")
     gen.add_argument("--prompt", action="append", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -25,7 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--enforce-eager", dest="decode_mode", action="store_const", const="eager",
                      help="no start-up compile (a one-off generation rarely repays it)")
     args = parser.parse_args(argv)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, decode_mode=args.decode_mode)
+    try:
+        llm = LLM(args.model, device=args.device, dtype=args.dtype,
+                  decode_mode=args.decode_mode)
+    except (ValueError, FileNotFoundError) as exc:  # a model we cannot serve, a bad option
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     prompts = args.prompt
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
