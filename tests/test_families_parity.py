@@ -74,10 +74,25 @@ def test_each_family_names_its_plan_and_why(family_models):
     why = {arch: LLM(folder, dtype="float32").engine.runner.plan.why_mode
            for arch, folder in family_models.items()
            if arch in ("Gemma3ForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM")}
-    assert why["Gemma3ForCausalLM"] == ("auto; layers and compile do not take sliding "
-                                        "windows of 8")
+    assert why["Gemma3ForCausalLM"] == (
+        "auto; layers does not take Gemma3ForCausalLM in float32: sandwich norms, gelu_tanh "
+        "activation, q/k norms, a rope table per layer, an embedding scale")
     assert "post norms, q/k norms" in why["Olmo2ForCausalLM"]
     assert "layers without rope" in why["SmolLM3ForCausalLM"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["Gemma3ForCausalLM", "Gemma2ForCausalLM"])
+def test_the_compiled_step_takes_windows_and_softcaps(family_models, arch):
+    """The compiled decode graph calls the C++ op with each layer's window and soft-cap (no
+    host read of the lengths): its tokens are eager's, past the window of 8."""
+    tokens = {}
+    for mode in ("eager", "compile"):
+        llm = LLM(family_models[arch], dtype="float32", decode_mode=mode)
+        outs = llm.generate(prompts_for(llm.tokenizer),
+                            SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+        tokens[mode] = [o.token_ids for o in outs]
+    assert tokens["compile"] == tokens["eager"]
 
 
 def test_gemma3_variant_reads_both_config_shapes():
@@ -185,7 +200,8 @@ GGUF_FAMILIES = ["Gemma3ForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM",
                  "GraniteForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM"]
 # what a GGUF file cannot say and llama.cpp assumes: Gemma's q.k scale is the head size's,
 # SmolLM3's NoPE layers every fourth
-GGUF_OVERRIDES = {"SmolLM3ForCausalLM": dict(no_rope_layer_interval=4, num_hidden_layers=4),"Gemma3ForCausalLM": dict(query_pre_attn_scalar=16),
+GGUF_OVERRIDES = {"SmolLM3ForCausalLM": dict(no_rope_layer_interval=4, num_hidden_layers=4),
+                  "Gemma3ForCausalLM": dict(query_pre_attn_scalar=16),
                   "Gemma2ForCausalLM": dict(query_pre_attn_scalar=16),
                   "Phi3ForCausalLM": dict(rope_parameters={
                       "rope_type": "longrope", "rope_theta": 10000.0,

@@ -45,6 +45,10 @@ class AttentionBackend:
     # a decode the graph may call directly instead of the Python op (same signature as
     # decode, less max_seq_len), or None
     decode_traced = None
+    # masked() runs kernels that take the window and soft-cap in every call: attend() then
+    # sends every windowed layer there without reading the lengths on the host (which a
+    # compiled graph could not), and a step inside its window pays only the kernels' check
+    takes_masks = False
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         raise NotImplementedError
@@ -79,7 +83,8 @@ class AttentionBackend:
         already hold this step's K/V. window: the layer's sliding window (a query at p sees
         (p - window, p]), softcap: its score soft-cap; a step no key of which falls outside
         the window runs the plain kernels."""
-        if softcap is not None or (window is not None and reaches_past(meta, window)):
+        if softcap is not None or (window is not None and (self.takes_masks
+                                                           or reaches_past(meta, window))):
             return self.masked(q, k_cache, v_cache, meta, scale, window, softcap)
         impl = self.for_step()
         nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
@@ -223,6 +228,7 @@ class CpuAttention(TorchAttention):
         self.decode_traced = self.cpu_decode
         self.cpu_rope_store = cpu.op("rope_store_kv")
         self._rows = None  # the last prefill's (inputs, rows): _rows_of
+        self.takes_masks = self.cpu_decode is not None
 
     def rope_store(self, qkv):
         """bf16 / fp16: the C++ op (fp32 math rounded once, as rotary_embedding); fp32 keeps
@@ -249,11 +255,11 @@ class CpuAttention(TorchAttention):
     def masked(self, q, k_cache, v_cache, meta, scale, window, softcap):
         """The C++ op takes the window and the soft-cap (its portable kernel, which reads no
         page before the window): decode rows, and prefill chunks as decode rows."""
-        if (self.cpu_decode is None or meta.num_decode_tokens is None
-                or meta.prefill_max_q_len > PREFILL_AS_DECODE_MAX):
+        nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
+        if self.cpu_decode is None or (nd < q.shape[0]
+                                       and meta.prefill_max_q_len > PREFILL_AS_DECODE_MAX):
             return super().masked(q, k_cache, v_cache, meta, scale, window, softcap)
         masks = (window or 0, softcap or 0.0)
-        nd = meta.num_decode_tokens
         outputs = []
         if nd:
             outputs.append(self.cpu_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
@@ -284,6 +290,7 @@ class CpuAttention(TorchAttention):
 
 class TritonAttention(AttentionBackend):
     name = "triton"
+    takes_masks = True
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         kernels.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)

@@ -122,9 +122,9 @@ def layers_refusal(config: EngineConfig, arch: ModelArch, library: bool) -> str 
 
 
 def masked_attention(arch: ModelArch) -> str | None:
-    """What in the model's attention the layers op and the compiled graphs do not take (a
-    window shorter than the model's context, a score soft-cap: engine/attention.py's masked
-    path runs those), or None."""
+    """What in the model's attention the layers op, CUDA graphs and the compiled graphs over
+    torch's attention do not take (a window shorter than the model's context, a score
+    soft-cap: engine/attention.py's masked path runs those), or None."""
     window = arch.sliding_window
     reasons = [r for r, odd in (
         (f"sliding windows of {window}", window is not None
@@ -165,6 +165,7 @@ def _mode(config: EngineConfig, arch: ModelArch, device: str,
     refusal = layers_refusal(config, arch, library)
     if refusal is None:
         return "layers", f"auto on the CPU in {config.dtype}"
-    if masked is not None:  # its host reads of the lengths would break the graph
-        return "eager", f"auto; layers and compile do not take {masked}"
+    if masked is not None and not library:  # torch's masked path reads lengths on the host
+        return "eager", f"auto; layers and compile without the C++ library do not take {masked}"
+    # the compiled graph calls the C++ decode op, which takes windows and soft-caps itself
     return LAYERS_FALLBACK, f"auto; layers does not take {refusal}"

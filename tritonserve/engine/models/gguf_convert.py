@@ -152,7 +152,7 @@ def convert(gguf_file: Path, work: Path) -> None:
                              f"{architecture}")
         shape = tuple(reversed([int(s) for s in tensor.shape]))
         data = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        weight = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+        weight = torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: the file is read-only
         if family.gguf_rope_permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             weight = unpermute_rows(weight, heads if "q_proj" in name else kv_heads)
         if family.gguf_norm_shift and name.endswith("norm.weight"):
