@@ -38,3 +38,21 @@ def test_stop_string_end_to_end(tiny_model):
     assert out.finish_reason is FinishReason.STOP
     assert out.text == full.text[:first]
     assert out.token_ids == full.token_ids[:len(out.token_ids)]
+
+
+@pytest.mark.slow
+def test_triton_path_takes_windows_and_softcaps(tmp_path):
+    """A tiny Gemma 2 (windows of 8 in every other layer, attention soft-caps) through the
+    Triton kernels' WINDOWED / SOFTCAPPED variants, prompts past the window, chunked prefill
+    mixed with decodes: the torch path's greedy tokens."""
+    from tests.tiny_models import write_tiny_model
+    folder = str(write_tiny_model(tmp_path / "gemma2", "Gemma2ForCausalLM",
+                                  tie_word_embeddings=False))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    torch_out = LLM(folder, attention_backend="torch", dtype="float32").generate(PROMPTS,
+                                                                                  params)
+    triton_llm = LLM(folder, attention_backend="triton", max_num_batched_tokens=24,
+                     dtype="float32")
+    assert triton_llm.engine.runner.backend.name == "triton"
+    triton_out = triton_llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]

