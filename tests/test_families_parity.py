@@ -16,7 +16,7 @@ from tritonserve.engine import LLM, SamplingParams
 from tritonserve.engine.models import ModelArch
 from tritonserve.engine.models.rope import rope_tables
 from tests.parity import assert_parity, hf_greedy
-from tests.tiny_models import write_tiny_model
+from tests.tiny_models import FAMILY_SHAPES, write_tiny_model
 
 FAMILIES = ["Gemma3ForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM",
             "Olmo2ForCausalLM", "SmolLM3ForCausalLM"]
@@ -66,6 +66,19 @@ def test_greedy_tokens_and_logprobs_equal_transformers(family_models, arch):
     text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
                                              tokenize=False, add_generation_prompt=True)
     assert text.endswith("assistant\n") and "hello" in text
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_bfloat16_stays_near_transformers_fp32(family_models, arch):
+    """The path a user on this CPU gets (bf16, the compiled step): each greedy token's logprob
+    within bf16's rounding of transformers' fp32 log-softmax (0.01-0.07 measured; a wrong norm
+    or rope is whole units off)."""
+    folder = family_models[arch]
+    llm = LLM(folder, dtype="bfloat16")
+    prompt = prompts_for(llm.tokenizer)[-1]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, logprobs=0))[0]
+    theirs = hf_logprobs(folder, prompt, out.token_ids)
+    assert max(abs(t.logprob - b) for t, b in zip(out.logprobs, theirs)) < 0.25
 
 
 def test_each_family_names_its_plan_and_why(family_models):
@@ -244,3 +257,30 @@ def test_the_family_as_a_gguf_file_gives_transformers_tokens(tmp_path, arch):
     assert_parity([o.token_ids for o in outs], refs)
     assert "hello" in llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
+
+
+def test_the_text_tower_of_a_gemma3_multimodal_checkpoint(tmp_path):
+    """Gemma3ForConditionalGeneration (a vision tower beside the text model, the text config
+    nested, tensors under language_model.): served as its text tower, transformers' tokens."""
+    import transformers
+
+    from tests.tiny_models import write_tokenizer
+    vocab = write_tokenizer(tmp_path)
+    shape = {k: v for k, v in FAMILY_SHAPES["Gemma3ForCausalLM"].items()
+             if k != "tie_word_embeddings"}
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+                eos_token_id=2, bos_token_id=1, pad_token_id=0, **shape)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4, image_token_index=vocab - 1,
+                                       boi_token_index=vocab - 2, eoi_token_index=vocab - 3)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(0)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", decode_mode="eager")
+    prompts = prompts_for(llm.tokenizer)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
+    refs = hf_greedy(str(tmp_path), prompts, 32, set(llm.engine.eos_token_ids))
+    assert_parity([o.token_ids for o in outs], refs)
