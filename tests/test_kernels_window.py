@@ -125,9 +125,10 @@ def test_triton_prefill_takes_the_window_and_softcap(shapes, block_size, head_di
                                              (300, None)])
 def test_the_cpu_op_takes_the_window_and_softcap(dtype, window, softcap):
     """Decode rows, and prefill rows run as decode rows (`cached`), as CpuAttention.masked
-    calls them; head size 64 (the unrolled kernel) and 48 (any size)."""
+    calls them; head sizes 64 and 256 (unrolled kernels) and 48 (any size). A window of 300
+    is past every row: the plain kernels run (the bf16 one for head size 64)."""
     op = cpu.op("paged_decode_attention")
-    for head_dim in (64, 48):
+    for head_dim in (64, 256, 48):
         seq_lens = [40, 100, 5, 17]
         q, k, v, tables, cu, lens = setup(seq_lens, 16, head_dim, 3, dtype, "cpu", 9)
         expected = reference.paged_attention_masked(q, k, v, tables, cu, lens, 0.15, window,
