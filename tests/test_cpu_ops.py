@@ -39,6 +39,8 @@ CASES = [
     (2, [40, 7], 16, 96, torch.bfloat16),
     (3, [5, 20, 9], 8, 64, torch.bfloat16),
     (9, [30, 2], 16, 64, torch.bfloat16),
+    (4, [100, 37, 5], 16, 256, torch.bfloat16),  # Gemma 2 / 3's head size
+    (2, [70, 9], 16, 256, torch.float32),
 ]
 
 
@@ -60,7 +62,8 @@ def test_cpu_decode_matches_reference(group, seq_lens, block_size, head_dim, dty
 
 @needs_op
 @pytest.mark.parametrize("cached", [False, True])
-@pytest.mark.parametrize("group,block_size,head_dim", [(3, 16, 64), (4, 32, 128), (2, 16, 96)])
+@pytest.mark.parametrize("group,block_size,head_dim", [(3, 16, 64), (4, 32, 128), (2, 16, 96),
+                                                     (4, 16, 256)])
 @pytest.mark.parametrize("seq_lens", [
     [3, 47, 160, 16, 90] * 4,  # 20 sequences: whole-sequence items
     [2100, 5, 1500, 700] * 3,  # longer than one sweep (512 KB of K + V) of a whole sequence

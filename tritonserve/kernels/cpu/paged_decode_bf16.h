@@ -319,7 +319,7 @@ inline void merge_parts(const tritonserve_sweep::Items& work, int64_t b, int64_t
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < work.parts; ++i) top = std::max(top, work.partial_at(b, i, h)[D]);
   float l = 0.0f;
-  alignas(64) float acc[128] = {};
+  alignas(64) float acc[256] = {};  // the largest head size pick() takes
   for (int64_t i = 0; i < work.parts; ++i) {
     const float* part = work.partial_at(b, i, h);
     if (part[D] == -std::numeric_limits<float>::infinity()) continue;
@@ -355,6 +355,7 @@ inline SeqFn pick(int64_t head_dim, int64_t group, int64_t block_size, bool cach
   if (block_size % 16 != 0) return nullptr;
   if (head_dim == 64) return pick_schedule<2>(group, cached);
   if (head_dim == 128) return pick_schedule<4>(group, cached);
+  if (head_dim == 256) return pick_schedule<8>(group, cached);  // Gemma 2 / 3
   return nullptr;
 }
 
