@@ -87,40 +87,46 @@ class AttentionBackend:
                                                            or reaches_past(meta, window))):
             return self.masked(q, k_cache, v_cache, meta, scale, window, softcap)
         impl = self.for_step()
-        nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
-        outputs = []
-        if nd:
-            outputs.append(impl.decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                       meta.decode_seq_lens, meta.decode_max_seq_len, scale))
-        if nd < q.shape[0]:
-            outputs.append(impl.prefill(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
-                                        meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
-                                        meta.prefill_max_q_len, scale))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return by_rows(
+            q, meta,
+            lambda rows: impl.decode(rows, k_cache, v_cache, meta.decode_block_tables,
+                                     meta.decode_seq_lens, meta.decode_max_seq_len, scale),
+            lambda rows: impl.prefill(rows, k_cache, v_cache, meta.prefill_block_tables,
+                                      meta.prefill_cu_seqlens_q, meta.prefill_seq_lens,
+                                      meta.prefill_max_q_len, scale))
 
     def masked(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                window: int | None, softcap: float | None) -> torch.Tensor:
         """attend with a window or soft-cap: the decode rows and the prefill rows each
         through kernels/reference.py's paged_attention_masked (which skips the pages before
         the window), unless the backend has kernels that take them."""
-        nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
-        outputs = []
-        if nd:
-            cu = torch.arange(nd + 1, dtype=torch.int32, device=q.device)
-            outputs.append(reference.paged_attention_masked(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, cu, meta.decode_seq_lens,
-                scale, window, softcap))
-        if nd < q.shape[0]:
-            outputs.append(reference.paged_attention_masked(
-                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+        return by_rows(
+            q, meta,
+            lambda rows: reference.paged_attention_masked(
+                rows, k_cache, v_cache, meta.decode_block_tables,
+                torch.arange(rows.shape[0] + 1, dtype=torch.int32, device=q.device),
+                meta.decode_seq_lens, scale, window, softcap),
+            lambda rows: reference.paged_attention_masked(
+                rows, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
                 meta.prefill_seq_lens, scale, window, softcap))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def for_step(self) -> AttentionBackend:
         """Itself, eager (a registered op costs 8-20 us more a call, measured); while
         torch.compile traces, the same backend through the registered ops below, which the
         graph keeps as opaque calls."""
         return ThroughOps(self) if torch.compiler.is_compiling() else self
+
+
+def by_rows(q: torch.Tensor, meta: AttentionMetadata, decode, prefill) -> torch.Tensor:
+    """decode(rows) over the step's decode rows (the first num_decode_tokens; None: all) and
+    prefill(rows) over the rest, in row order."""
+    nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
+    outputs = []
+    if nd:
+        outputs.append(decode(q[:nd]))
+    if nd < q.shape[0]:
+        outputs.append(prefill(q[nd:]))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def reaches_past(meta: AttentionMetadata, window: int) -> bool:
@@ -260,16 +266,15 @@ class CpuAttention(TorchAttention):
                                        and meta.prefill_max_q_len > PREFILL_AS_DECODE_MAX):
             return super().masked(q, k_cache, v_cache, meta, scale, window, softcap)
         masks = (window or 0, softcap or 0.0)
-        outputs = []
-        if nd:
-            outputs.append(self.cpu_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                           meta.decode_seq_lens, scale, False, *masks))
-        if nd < q.shape[0]:
+
+        def prefill(rows):
             tables, lens = self._rows_of(meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
                                          meta.prefill_seq_lens)
-            outputs.append(self.cpu_decode(q[nd:], k_cache, v_cache, tables, lens, scale, True,
-                                           *masks))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            return self.cpu_decode(rows, k_cache, v_cache, tables, lens, scale, True, *masks)
+
+        return by_rows(q, meta, lambda rows: self.cpu_decode(
+            rows, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+            False, *masks), prefill)
 
     def _rows_of(self, block_tables, cu_seqlens_q, seq_lens):
         """Every query row as a decode row over its first position + 1 tokens: its block
@@ -304,21 +309,17 @@ class TritonAttention(AttentionBackend):
         return kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                seq_lens, scale, max_q_len=max_q_len)
 
-
     def masked(self, q, k_cache, v_cache, meta, scale, window, softcap):
         """The kernels take the window and the soft-cap themselves."""
-        nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
-        outputs = []
-        if nd:
-            outputs.append(kernels.paged_decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                scale, max_seq_len=meta.decode_max_seq_len, window=window, softcap=softcap))
-        if nd < q.shape[0]:
-            outputs.append(kernels.paged_prefill_attention(
-                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+        return by_rows(
+            q, meta,
+            lambda rows: kernels.paged_decode_attention(
+                rows, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+                max_seq_len=meta.decode_max_seq_len, window=window, softcap=softcap),
+            lambda rows: kernels.paged_prefill_attention(
+                rows, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
                 meta.prefill_seq_lens, scale, max_q_len=meta.prefill_max_q_len, window=window,
                 softcap=softcap))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 BACKENDS = {"triton": TritonAttention, "cpu": CpuAttention, "torch": TorchAttention}
