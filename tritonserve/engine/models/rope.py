@@ -131,16 +131,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rope: Rope, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        self.recipe = rope
-        self.head_dim = head_dim
-        self.rotary_dim = int(head_dim * rope.fraction)
-        cos, sin = rope_tables(rope, head_dim, max_positions)
+        cos, sin = rope_tables(rope, head_dim, max_positions)  # [max_positions, rotary_dim]
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-
-    @property
-    def partial(self) -> bool:
-        return self.rotary_dim < self.head_dim
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """Once a step, not once a layer: positions [T] -> cos, sin [T, 1, rotary_dim]."""
