@@ -191,6 +191,90 @@ inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const 
   const __mmask16 mask = ncols >= kCols ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, tot[r]);
 }
+#elif defined(TS_AVX2)
+// AVX2: the AVX-512 tile's order of work, each 16-column vector as two 8-lane halves
+template <int R, Kind kind>
+inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const uint8_t* w,
+                 float* y, int64_t ldy, int64_t ncols) {
+  constexpr int64_t bytes = record_bytes(kind);
+  __m256 tot[R][2];
+  for (int r = 0; r < R; ++r) tot[r][0] = tot[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi32(15);
+  const auto halfs = [](const uint8_t* p) {  // 8 fp16 -> 8 fp32
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
+  const auto bytes8 = [](__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); };
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* rec = w + g * bytes;
+    for (int64_t line = 0; line < bytes; line += 64)
+      __builtin_prefetch(rec + kFp32Ahead * bytes + line, 0, 3);
+    const float* xg = x + g * kGroup;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    if constexpr (kind == Kind::kU4) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t* words = rec + 64 + 64 * (j / 4);
+        __m256 lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_srli_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + 32 * h)), 4 * (j % 4));
+          lo[h] = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+          hi[h] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16), low));
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256 a = _mm256_set1_ps(xg[r * ldx + 2 * j]);
+          const __m256 b = _mm256_set1_ps(xg[r * ldx + 2 * j + 1]);
+          for (int h = 0; h < 2; ++h)
+            acc[r][h] = _mm256_fmadd_ps(hi[h], b, _mm256_fmadd_ps(lo[h], a, acc[r][h]));
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = halfs(rec + 16 * h), m = halfs(rec + 32 + 16 * h);
+        for (int r = 0; r < R; ++r)
+          tot[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * G + g]),
+                                      _mm256_fmadd_ps(d, acc[r][h], tot[r][h]));
+      }
+    } else {  // s8 kinds: each scale group's k (all 32, or 16 a half) summed, then scaled
+      constexpr int H = halves(kind), span = 32 / H;
+      const uint8_t* codes = rec + codes_at(kind);
+      for (int half_group = 0; half_group < H; ++half_group) {
+        if (half_group)
+          for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int k = half_group * span; k < (half_group + 1) * span; ++k) {
+          const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * k));
+          const __m256 v[2] = {bytes8(c), bytes8(_mm_srli_si128(c, 8))};
+          for (int r = 0; r < R; ++r) {
+            const __m256 a = _mm256_set1_ps(xg[r * ldx + k]);
+            for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(v[h], a, acc[r][h]);
+          }
+        }
+        for (int h = 0; h < 2; ++h) {
+          __m256 d = halfs(rec + 16 * h);
+          if constexpr (H == 2) {
+            const __m128i s = _mm_loadu_si128(
+                reinterpret_cast<const __m128i*>(codes - 32 + 16 * half_group));
+            d = _mm256_mul_ps(d, bytes8(h ? _mm_srli_si128(s, 8) : s));
+          }
+          for (int r = 0; r < R; ++r) tot[r][h] = _mm256_fmadd_ps(d, acc[r][h], tot[r][h]);
+        }
+      }
+      if constexpr (has_offset(kind))
+        for (int h = 0; h < 2; ++h) {
+          const __m256 m = halfs(rec + 32 + 16 * h);
+          for (int r = 0; r < R; ++r)
+            tot[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * G + g]), tot[r][h]);
+        }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float row[kCols];
+    _mm256_storeu_ps(row, tot[r][0]);
+    _mm256_storeu_ps(row + 8, tot[r][1]);
+    std::memcpy(y + r * ldy, row, ncols * sizeof(float));
+  }
+}
 #else
 // Portable: the same order of work on arrays of 16 the compiler vectorises for its target
 template <int R, Kind kind>
