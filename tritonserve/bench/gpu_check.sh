@@ -2,7 +2,7 @@
 # One prepared script for a CUDA machine, under 10 minutes (timeouts 200 + 120 + 90 + 180 s): the
 # kernel tests on CUDA, the kernel microbenchmarks (shares of this run's measured copy
 # bandwidth and matmul rate; the w4a16 / w8a16 matmul at batch 1 and 64 beside the dense bf16
-# one), then the engine end to end on a Llama-3-8B-shaped dummy model in bf16 (Triton vs torch
+# one; the fused MoE over Qwen3-30B-A3B's experts at batch 1 and 64, bf16 and w4a16), then the engine end to end on a Llama-3-8B-shaped dummy model in bf16 (Triton vs torch
 # greedy agreement, decode tok/s at batch 1/64/256 eager and with CUDA graphs captured per
 # bucket, transformers generate_batch). Writes the report to ${OUT:-results}/gpu_check.md.
 #
@@ -29,7 +29,7 @@ else
   export TRITON_INTERPRET=0
   where=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)
   tests=(tests/test_kernels_attention.py tests/test_kernels_sampling.py
-         tests/test_kernels_fused.py)
+         tests/test_kernels_fused.py tests/test_kernels_moe.py)
   # Triton's compiles are CPU work: one process took ~310 s for these and the engine tests on
   # an H200 machine (test_mixed_rows_in_one_batch alone 67 s); pytest-xdist spreads the kernel
   # tests over the cores. The engine tests stay in one process: each engine takes 0.9 of the

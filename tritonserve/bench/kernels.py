@@ -23,7 +23,7 @@ import torch
 from tritonserve.kernels import triton as kernels
 
 from tritonserve.kernels import quant_layout, reference
-from tritonserve.kernels.triton import quant_matmul
+from tritonserve.kernels.triton import fused_moe, quant_matmul
 from tritonserve.kernels.triton._common import interpreting
 
 from .sampling_baselines import sampling_rows
@@ -142,6 +142,7 @@ def bench_all(args) -> list[dict]:
 
     sampling_rows(args.sample_batch, args.vocab, device, measure, add)
     quant_rows(args, device, dtype, measure, add, triton_too)
+    moe_rows(args, device, dtype, measure, add, triton_too)
     return rows, ceilings
 
 
@@ -176,6 +177,36 @@ def quant_rows(args, device, dtype, measure, add, triton_too) -> None:
                 weight.numel(), flops)
 
 
+def moe_rows(args, device, dtype, measure, add, triton_too) -> None:
+    """The fused MoE (kernels/triton/fused_moe.py) over --moe E,top_k,H,I experts at batch 1
+    and 64, dense in the kernels' dtype and w4a16 (u4): share of the copy bandwidth over the
+    bytes of the experts the batch chose (each read once), and at 64 rows of the matmul rate.
+    The torch reference beside it (one matmul pair an expert)."""
+    from tritonserve.engine.models.moe import route
+    experts, top_k, hidden, inter = (int(v) for v in args.moe.split(","))
+    gate_up = torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype) * 0.02
+    down = torch.randn(experts, hidden, inter, device=device, dtype=dtype) * 0.02
+    packed = (torch.stack([packed_weight("u4", 2 * inter, hidden, device)
+                           for _ in range(experts)]),
+              torch.stack([packed_weight("u4", hidden, inter, device) for _ in range(experts)]))
+    for rows in (1, 64):
+        x = torch.randn(rows, hidden, device=device, dtype=dtype)
+        ids, weights = route(torch.randn(rows, experts, device=device), top_k, True)
+        chosen = len(set(ids.flatten().tolist()))
+        flops = 2 * rows * top_k * 3 * hidden * inter
+        name = f"moe {rows}x{hidden} E{experts} top{top_k} I{inter}"
+        dense_bytes = chosen * 3 * hidden * inter * gate_up.element_size()
+        add(name, "torch reference", measure(lambda: reference.fused_moe(
+            x, gate_up, down, ids, weights)), dense_bytes, flops)
+        if not triton_too:
+            continue
+        add(name, f"triton {args.dtype}", measure(lambda: fused_moe.fused_moe(
+            x, ids, weights, gate_up, down, inter)), dense_bytes, flops)
+        add(name, "triton w4a16", measure(lambda: fused_moe.fused_moe(
+            x, ids, weights, *packed, inter)),
+            chosen * (packed[0][0].numel() + packed[1][0].numel()), flops)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tritonserve bench kernels")
     cuda = torch.cuda.is_available()
@@ -192,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=128256 if cuda else 32000)
     p.add_argument("--linear", default="4096,14336" if cuda else "128,256",
                    help="K,N of the w4a16 / w8a16 matmul rows")
+    p.add_argument("--moe", default="128,8,2048,768" if cuda else "8,2,64,32",
+                   help="experts,top_k,hidden,intermediate of the fused MoE rows "
+                        "(CUDA: Qwen3-30B-A3B's)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if not cuda:

@@ -298,3 +298,19 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         if index.numel():
             tokens[index] = path(logits[index], *(a[index] for a in args))
     return tokens
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H] (each expert's gate rows, then up rows), down [E, H, I];
+    ids, weights [T, k] (each token's experts and their routing weights) -> [T, H] in x's
+    dtype: sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t]), e = ids[t, j].
+    Each expert's product in x's dtype, as transformers computes it; the weighted sum in fp32,
+    experts in index order."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == e)
+        h = silu_and_mul(x[token] @ gate_up[e].to(x.dtype).t())
+        y = h @ down[e].to(x.dtype).t()
+        out.index_add_(0, token, y.float() * weights[token, slot].float().unsqueeze(1))
+    return out.to(x.dtype)

@@ -19,6 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from .decode_attention import MAX_SPLITS, _decode_kernel, _merge_splits_kernel  # noqa: E402
+from .fused_moe import _moe_gemm_kernel  # noqa: E402
 from .kv_cache_write import _store_kv_kernel  # noqa: E402
 from .prefill_attention import _prefill_kernel, tuning_space  # noqa: E402
 from .quant_matmul import KINDS, _quant_matmul_kernel, block_shape, kernel_args  # noqa: E402
@@ -26,7 +27,8 @@ from .sampling import _BISECTION_STEPS, _ONE_BITS_PLUS_ONE, _sample_kernel  # no
 
 I32_ARGS = ("stride_qs", "stride_qh", "stride_bts", "stride_cb", "stride_ct", "stride_ch",
             "stride_os", "stride_oh", "stride_qt", "stride_ot", "stride_kt", "stride_vt",
-            "stride", "B", "V", "M", "N", "K", "stride_xm", "stride_om")
+            "stride", "B", "V", "M", "N", "K", "stride_xm", "stride_om", "valid",
+            "stride_am", "stride_we", "stride_wn", "stride_wk", "expert_bytes")
 
 
 def _signature(fn, pointers: dict[str, str], scalars: dict[str, str],
@@ -101,6 +103,20 @@ def variants():
                         "w32_ptr": "*i32", "bias_ptr": "*fp32", "out_ptr": f"*{dtype}"}, {},
                        dict(**kernel_args(kind), HAS_BIAS=rows == 1, BLOCK_M=block_m,
                             BLOCK_N=block_n, FP32=False, PRECISION="tf32"), {})
+    for dtype in ("bf16", "fp16"):  # fused MoE: dense experts and w4a16 / w8a16 ones, the
+        # gate/up launch (rows // top_k) and the down one (routing weights in the epilogue)
+        for kind in ("dense", "u4", "s8"):
+            for block_m, divisor, weighted in ((16, 8, False), (64, 1, True)):
+                args = (dict(KIND=-1, RECORD=0, CODES_AT=0) if kind == "dense"
+                        else kernel_args(kind))
+                yield (f"fused_moe {kind} {dtype} m{block_m}{' weighted' if weighted else ''}",
+                       _moe_gemm_kernel,
+                       {"a_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "w8_ptr": "*i8",
+                        "w16_ptr": "*fp16", "w32_ptr": "*i32",
+                        "out_ptr": "*fp32" if weighted else f"*{dtype}", "rows_ptr": "*i64", "tile_expert_ptr": "*i64", "weights_ptr": "*fp32"},
+                       {}, dict(**args, A_DIVISOR=divisor, MUL_WEIGHT=weighted,
+                                BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32, FP32=False,
+                                PRECISION="tf32"), {})
     for rows, block_v in ((1, 4096), (16, 1024)):
         yield (f"sample rows{rows} chunk{block_v}", _sample_kernel,
                {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "top_k_ptr": "*i32",

@@ -26,6 +26,40 @@ from ._common import compute_in_fp32, dot_precision
 
 
 @triton.jit
+def widen_group(w8_ptr, w16_ptr, w32_ptr, base, col, n_mask, KIND: tl.constexpr,
+                CODES_AT: tl.constexpr):
+    """One group of 32 k of BLOCK_N columns -> their weights [32, BLOCK_N] in fp32: base, the
+    columns' record byte offsets [BLOCK_N] (col: each one's place in its panel). KIND and
+    CODES_AT, the kind's id and codes' start, are quant_layout.KINDS' (kernel_args): 0 u4,
+    1 s8, 2 s8h, 3 s8hm."""
+    k = tl.arange(0, 32)
+    d = tl.load(w16_ptr + base // 2 + col, mask=n_mask, other=0.0).to(tl.float32)
+    if KIND == 0:
+        # u4: k = 8 b + 2 i + h sits in block b's word of the column at bits 4 (i + 4 h)
+        word_at = 16 * (k // 8)
+        shift = 4 * ((k % 8) // 2 + 4 * (k % 2))
+        m = tl.load(w16_ptr + base // 2 + 16 + col, mask=n_mask, other=0.0).to(tl.float32)
+        words = tl.load(w32_ptr + ((base + CODES_AT) // 4 + col)[None, :] + word_at[:, None],
+                        mask=n_mask[None, :], other=0)
+        q = ((words >> shift[:, None]) & 15).to(tl.float32)
+        w = q * d[None, :] + m[None, :]
+    elif KIND == 1:
+        q = tl.load(w8_ptr + (base + 32 + col)[None, :] + 16 * k[:, None],
+                    mask=n_mask[None, :], other=0).to(tl.float32)
+        w = q * d[None, :]
+    else:  # s[h][c] 32 + 16 h + c bytes before the codes, h = k // 16
+        s = tl.load(w8_ptr + (base + CODES_AT - 32 + col)[None, :] + 16 * (k // 16)[:, None],
+                    mask=n_mask[None, :], other=0).to(tl.float32)
+        q = tl.load(w8_ptr + (base + CODES_AT + col)[None, :] + 16 * k[:, None],
+                    mask=n_mask[None, :], other=0).to(tl.float32)
+        w = (d[None, :] * s) * q
+        if KIND == 3:
+            m = tl.load(w16_ptr + base // 2 + 16 + col, mask=n_mask, other=0.0).to(tl.float32)
+            w = w + m[None, :]
+    return w
+
+
+@triton.jit
 def _quant_matmul_kernel(x_ptr, w8_ptr, w16_ptr, w32_ptr, bias_ptr, out_ptr, M, N, K,
                          stride_xm, stride_om, KIND: tl.constexpr, RECORD: tl.constexpr,
                          CODES_AT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -41,39 +75,12 @@ def _quant_matmul_kernel(x_ptr, w8_ptr, w16_ptr, w32_ptr, bias_ptr, out_ptr, M, 
     col = offs_n % 16
     k = tl.arange(0, 32)
     groups = K // 32
-    # KIND, RECORD, CODES_AT: the kind's id, record bytes and codes' start, from
-    # quant_layout.KINDS (kernel_args): 0 u4, 1 s8, 2 s8h, 3 s8hm
-    record = RECORD
-    codes_at = CODES_AT
-    # u4: k = 8 b + 2 i + h sits in block b's word of the column at bits 4 (i + 4 h)
-    word_at = 16 * (k // 8)
-    shift = 4 * ((k % 8) // 2 + 4 * (k % 2))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(0, groups):
-        base = (panel * groups + g) * record  # [BLOCK_N] byte offsets of the records
-        d = tl.load(w16_ptr + base // 2 + col, mask=n_mask, other=0.0).to(tl.float32)
+        base = (panel * groups + g) * RECORD  # [BLOCK_N] byte offsets of the records
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + g * 32 + k[None, :],
                     mask=m_mask[:, None], other=0.0)
-        if KIND == 0:
-            m = tl.load(w16_ptr + base // 2 + 16 + col, mask=n_mask, other=0.0).to(tl.float32)
-            words = tl.load(w32_ptr + ((base + codes_at) // 4 + col)[None, :] + word_at[:, None],
-                            mask=n_mask[None, :], other=0)
-            q = ((words >> shift[:, None]) & 15).to(tl.float32)
-            w = q * d[None, :] + m[None, :]  # [32, BLOCK_N]
-        elif KIND == 1:
-            q = tl.load(w8_ptr + (base + 32 + col)[None, :] + 16 * k[:, None],
-                        mask=n_mask[None, :], other=0).to(tl.float32)
-            w = q * d[None, :]
-        else:  # s[h][c] 32 + 16 h + c bytes before the codes, h = k // 16
-            s = tl.load(w8_ptr + (base + codes_at - 32 + col)[None, :] + 16 * (k // 16)[:, None],
-                        mask=n_mask[None, :], other=0).to(tl.float32)
-            q = tl.load(w8_ptr + (base + codes_at + col)[None, :] + 16 * k[:, None],
-                        mask=n_mask[None, :], other=0).to(tl.float32)
-            w = (d[None, :] * s) * q
-            if KIND == 3:
-                m = tl.load(w16_ptr + base // 2 + 16 + col, mask=n_mask,
-                            other=0.0).to(tl.float32)
-                w = w + m[None, :]
+        w = widen_group(w8_ptr, w16_ptr, w32_ptr, base, col, n_mask, KIND, CODES_AT)
         if FP32:
             acc += tl.dot(x.to(tl.float32), w, input_precision=PRECISION)
         else:
