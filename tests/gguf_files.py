@@ -6,6 +6,7 @@ byte-level BPE tokenizer as `gpt2` vocab, projections in F32 or Q8_0 blocks."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,31 @@ CONVERTERS = {
     "Olmo2ForCausalLM": ("olmo2", False, 0.0),
     "SmolLM3ForCausalLM": ("smollm3", True, 0.0),
     "LlamaForCausalLM": ("llama", True, 0.0),
+    "Qwen3MoeForCausalLM": ("qwen3moe", False, 0.0),
+    "OlmoeForCausalLM": ("olmoe", False, 0.0),
+    "MixtralForCausalLM": ("llama", True, 0.0),  # llama.cpp writes Mixtral as llama + experts
 }
+# a checkpoint's per-expert tensor -> (layer prefix, expert, projection); Mixtral's w1 / w2 / w3
+_EXPERT = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
+_W = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def _stack_experts(state: dict) -> dict:
+    """Per-expert tensors stacked [E, rows, K] under the name llama.cpp's converters merge
+    them into (model.layers.L.mlp.experts.gate_proj), as convert_hf_to_gguf does."""
+    out, experts = {}, {}
+    for name, tensor in state.items():
+        found = _EXPERT.fullmatch(name)
+        if found is None:
+            out[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = tensor
+            continue
+        prefix, e, proj = found.group(1), int(found.group(2)), found.group(3)
+        experts.setdefault((prefix, _W.get(proj, proj)), {})[e] = tensor
+    for (prefix, proj), by_index in experts.items():
+        out[f"{prefix}.mlp.experts.{proj}.weight"] = torch.stack(
+            [by_index[e] for e in sorted(by_index)])
+    return out
 
 
 def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -88,10 +113,16 @@ def write_gguf(folder: Path, path: Path, quantized: bool = False) -> Path:
         for name in ("long", "short"):
             writer.add_tensor(f"rope_factors_{name}.weight",
                               np.asarray(rope[f"{name}_factor"], dtype=np.float32))
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(int(experts))
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
     _tokenizer(writer, folder)
 
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n_layers)
-    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+    for name, tensor in _stack_experts(load_file(str(folder / "model.safetensors"))).items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue  # the converters skip a tied head
         tensor = tensor.float()
@@ -103,7 +134,8 @@ def write_gguf(folder: Path, path: Path, quantized: bool = False) -> Path:
         if permuted and base.endswith(("q_proj", "k_proj")):
             tensor = _permute(tensor, heads if base.endswith("q_proj") else kv_heads)
         data = tensor.numpy()
-        if quantized and data.ndim == 2 and data.shape[1] % 32 == 0:
+        if quantized and data.ndim in (2, 3) and data.shape[-1] % 32 == 0 and \
+                not base.endswith("mlp.gate"):  # llama.cpp keeps the router in F32
             blocks = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(f"{target}.weight", blocks, raw_shape=blocks.shape,
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)

@@ -51,7 +51,16 @@ def family_models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_greedy_tokens_and_logprobs_equal_transformers(family_models, arch):
-    folder = family_models[arch]
+    llm = assert_greedy_parity(family_models[arch])
+    # the chat template is the checkpoint's, applied
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
+                                             tokenize=False, add_generation_prompt=True)
+    assert text.endswith("assistant\n") and "hello" in text
+
+
+def assert_greedy_parity(folder: str) -> LLM:
+    """fp32 eager: greedy tokens for 32 steps equal to transformers' (tie rule of
+    tests/parity.py), the longest prompt's logprobs within LOGPROB_TOL; returns the LLM."""
     llm = LLM(folder, dtype="float32", decode_mode="eager")
     prompts = prompts_for(llm.tokenizer)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, logprobs=0))
@@ -62,10 +71,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(family_models, arch):
     ours = [t.logprob for t in out.logprobs]
     theirs = hf_logprobs(folder, prompts[longest], out.token_ids)
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < LOGPROB_TOL
-    # the chat template is the checkpoint's, applied
-    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
-                                             tokenize=False, add_generation_prompt=True)
-    assert text.endswith("assistant\n") and "hello" in text
+    return llm
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -35,17 +35,24 @@ def family_models(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_openai_conformance_per_family(family_models, arch, tmp_path):
-    # EOS set to what greedy decoding samples K-th after "Hello" (the first probe), so the
-    # EOS checks have something to find (tests/test_conformance.py does the same)
-    folder, _ = eos_variant(family_models[arch], tmp_path / "m", "Hello")
+    failed, skipped = conformance_failures(family_models[arch], tmp_path)
+    assert not failed, failed
+    assert skipped == ["openai_reasoning_fields"]
+
+
+def conformance_failures(model: str, tmp_path) -> tuple[list, list[str]]:
+    """The OpenAI conformance suite against a server on `model` (the plan auto picks):
+    (failed checks with their evidence, skipped check names). EOS is set to what greedy
+    decoding samples K-th after "Hello" (the first probe), so the EOS checks have something
+    to find (tests/test_conformance.py does the same)."""
+    folder, _ = eos_variant(model, tmp_path / "m", "Hello")
     server = ServerThread(LLMEngine(build_config(folder)), api_key="conformance-key")
     try:
         results = asyncio.run(run_checks(server.url, "openai", api_key="conformance-key"))
     finally:
         server.stop()
-    failed = [(r.name, r.evidence) for r in results if r.status == "fail"]
-    assert not failed, failed
-    assert [r.name for r in results if r.status == "skip"] == ["openai_reasoning_fields"]
+    return ([(r.name, r.evidence) for r in results if r.status == "fail"],
+            [r.name for r in results if r.status == "skip"])
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -71,6 +71,14 @@ FAMILY_SHAPES: dict[str, dict] = {
                                attention_multiplier=0.2, logits_scaling=2.5),
     "Olmo2ForCausalLM": dict(),
     "SmolLM3ForCausalLM": dict(no_rope_layer_interval=2, tie_word_embeddings=True),
+    # mixtures of experts: 8 experts, top 2 or 3, the second layer's experts used
+    # (Qwen3-MoE: a dense first layer, mlp_only_layers)
+    "Qwen3MoeForCausalLM": dict(head_dim=16, num_experts=8, num_experts_per_tok=3,
+                                moe_intermediate_size=32, norm_topk_prob=True,
+                                num_hidden_layers=3, mlp_only_layers=[0]),
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2,
+                               intermediate_size=64),
+    "OlmoeForCausalLM": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
 }
 
 
@@ -96,6 +104,9 @@ def write_tiny_model(folder: Path, architecture: str = "LlamaForCausalLM", seed:
         "GraniteForCausalLM": transformers.GraniteConfig,
         "Olmo2ForCausalLM": transformers.Olmo2Config,
         "SmolLM3ForCausalLM": transformers.SmolLM3Config,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+        "MixtralForCausalLM": transformers.MixtralConfig,
+        "OlmoeForCausalLM": transformers.OlmoeConfig,
     }[architecture]
     common.update(FAMILY_SHAPES.get(architecture, {}))
     common.update(overrides)

@@ -1,5 +1,6 @@
-"""tritonserve bench model-shape --out DIR [--shape gemma-3-270m]: a random checkpoint with the
-shape of a released model, written as a Hugging Face folder (bf16 safetensors, config.json,
+"""tritonserve bench model-shape --out DIR [--shape gemma-3-270m | qwen3-moe-2.6b-a0.4b]: a random
+checkpoint with the shape of a released model (or, for a mixture of experts, of one scaled to a
+small machine), written as a Hugging Face folder (bf16 safetensors, config.json,
 tokenizer, chat template) for the side-by-side figures (bench/family_figures.sh), which then
 convert it with llama.cpp's own converter and quantize it with llama.cpp's quantizer.
 
@@ -25,6 +26,16 @@ SHAPES = {
         tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    # issue 65's MoE shape scaled to a 2-core CPU: Qwen3-30B-A3B's layout (64 experts of 512
+    # rows here for its 128 of 768, top 8, q/k norms, GQA 16:4 of head size 64), 24 layers
+    # of hidden 1024: 2.6 B weights (~1.5 GB as Q4_K_M), 0.39 B of them read a token
+    "qwen3-moe-2.6b-a0.4b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=1024,
+        intermediate_size=3072, moe_intermediate_size=512, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64,
+        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, vocab_size=49152, tie_word_embeddings=False, hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
 
 
@@ -54,12 +65,17 @@ def write_shape(shape: str, out: Path, seed: int = 0) -> Path:
     fields = dict(SHAPES[shape])
     specials = write_tokenizer(Path(default_model_path()), out, fields["vocab_size"])
     architecture = fields.pop("architectures")[0]
-    fields.pop("model_type")
-    config = transformers.Gemma3TextConfig(**fields, **specials, pad_token_id=0)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields, **specials,
+                                               pad_token_id=0)
     config.architectures = [architecture]
     torch.manual_seed(seed)
-    with torch.device("cpu"):
-        model = getattr(transformers, architecture)(config).to(torch.bfloat16).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: no fp32 copy of 2.6 B weights
+    try:
+        with torch.device("cpu"):
+            model = getattr(transformers, architecture)(config).eval()
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(out, safe_serialization=True)
     config_path = out / "config.json"
     written = json.loads(config_path.read_text())

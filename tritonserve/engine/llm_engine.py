@@ -21,8 +21,8 @@ from .default_model import gguf_source
 from .detokenizer import IncrementalDetokenizer, StopCheck, StopStringMatcher
 from .errors import EngineDeadError, InvalidRequestError, NoTokenAllowedError
 from .kv_cache import KVCacheManager
-from .memory import (num_cache_blocks, profiled_cache_blocks, profiles_cache,
-                     resolve_max_model_len)
+from .memory import (check_weights_fit, num_cache_blocks, profiled_cache_blocks,
+                     profiles_cache, resolve_max_model_len)
 from .outputs import (Completion, FinishReason, GenerationStep, RequestTiming, TokenOutput)
 from .request import Request
 from .reasoning_end import TagFinder
@@ -48,6 +48,7 @@ class LLMEngine:
         self.model_path, self.arch, config, max_positions = resolved(config)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        check_weights_fit(config, self.arch, gguf_source(self.model_path))
         # the CPU's cache is sized before the weights take memory, CUDA's after (profiled)
         num_blocks = None if profiles_cache(config) else num_cache_blocks(config, self.arch)
         self.runner = make_runner(config, self.arch, self.model_path, max_positions,

@@ -31,6 +31,29 @@ def weight_bytes(config: EngineConfig, arch: ModelArch) -> int:
     return arch.num_params * (torch.finfo(config.torch_dtype).bits // 8)
 
 
+def check_weights_fit(config: EngineConfig, arch: ModelArch, gguf_file=None) -> None:
+    """On the CPU, refuse weights larger than the memory available, naming the sizes: they
+    would be paged from disk every step (a mixture's experts most of all: each step reads
+    other experts), minutes a token without a word. A GGUF file served as its blocks takes
+    about its size; anything else its dtype's bytes a weight."""
+    if config.device != "cpu":
+        return
+    available = available_memory_bytes()
+    if available is None:
+        return
+    dense = weight_bytes(config, arch)
+    served = (gguf_file.stat().st_size if gguf_file is not None
+              and config.quantization in ("auto", "gguf") else dense)
+    if served <= available:
+        return
+    experts = arch.expert_params * served // max(arch.num_params, 1)
+    of_which = f" ({experts / 2**30:.1f} GiB of them experts)" if experts else ""
+    raise ValueError(f"{arch.architecture}: the weights take {served / 2**30:.1f} GiB"
+                     f"{of_which} and {available / 2**30:.1f} GiB of memory are available; "
+                     f"they would be read from disk every step. Serve a smaller quantization "
+                     f"(a GGUF file's Q4_K_M blocks), or free memory")
+
+
 def cuda_cache_bytes(total: int, free: int, step_peak: int, utilization: float) -> int:
     """After the weights load: utilization x total, less what is in use (total - free: the
     weights, the CUDA context, other processes) and one step's measured peak."""

@@ -40,13 +40,19 @@ def local_arch(arch: ModelArch, size: int) -> ModelArch:
     divide (SmolLM2: 9 query / 3 KV heads serve tp 1 or 3)."""
     if size == 1:
         return arch
+    experts = arch.variant.experts  # each rank holds a share of every expert's rows
     bad = [f"{name} {count}" for name, count in (
         ("query heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
-        ("intermediate_size", arch.intermediate_size)) if count % size]
+        ("intermediate_size", arch.intermediate_size),
+        ("moe_intermediate_size", experts.intermediate if experts else 0)) if count % size]
     if bad:
         raise ValueError(f"tensor_parallel_size {size} must divide the model's "
                          f"{', '.join(bad)} (query heads {arch.num_heads}, KV heads "
                          f"{arch.num_kv_heads})")
+    if experts is not None:
+        arch = dataclasses.replace(arch, variant=dataclasses.replace(
+            arch.variant, experts=dataclasses.replace(
+                experts, intermediate=experts.intermediate // size)))
     return dataclasses.replace(arch, num_heads=arch.num_heads // size,
                                num_kv_heads=arch.num_kv_heads // size,
                                intermediate_size=arch.intermediate_size // size)

@@ -3,7 +3,7 @@ each choice. Nothing else picks a path: the model runner builds what the plan na
 dispatches on it once a step, the start-up line and /version print it, and a bug report can
 say which path ran.
 
-Four choices, each with its reason:
+Four choices, each with its reason (and for a mixture of experts, where its experts run):
 - mode: how a decode-only step runs. layers: the whole decoder stack as one C++ op
   (kernels/cpu/decode_layers.cpp); compile: torch.compile graphs; cudagraph /
   compile+cudagraph: CUDA graphs per batch bucket; static: static buffers op by op (a test
@@ -58,6 +58,10 @@ class DecodePlan:
     dense_above: int = 0
     # decode rows a speculating step may reach (the scheduler's cap): weights.row_cap
     max_rows: int = weights.ANY_ROWS
+    # a mixture of experts' experts (engine/models/moe.py: MoeExperts picks by device alike):
+    # cpu (kernels/cpu/moe.cpp: rows grouped by expert, only the chosen experts read),
+    # triton (kernels/triton/fused_moe.py), torch (a matmul pair an expert); "" for a dense MLP
+    experts: str = ""
 
     @property
     def quantized(self) -> bool:
@@ -68,8 +72,9 @@ class DecodePlan:
         """One phrase for the start-up line."""
         weights = self.weights + (f" (steps of up to {self.dense_above} rows; bf16 panels "
                                   f"above)" if self.dense_above else "")
+        experts = f", experts {self.experts}" if self.experts else ""
         return (f"decode {self.mode} ({self.why_mode}), weights {weights}, attention "
-                f"{self.attention}, draw {self.draw}")
+                f"{self.attention}{experts}, draw {self.draw}")
 
     def as_dict(self) -> dict[str, str | int]:
         """What /version shows: the choices and their reasons (max_rows, the scheduler's
@@ -92,9 +97,11 @@ def resolve_plan(config: EngineConfig, arch: ModelArch, gguf: Path | None = None
     attention = ("triton" if config.use_triton("attention")
                  else "cpu" if library else "torch")
     draw = "triton" if config.use_triton("sampler") else "cpu" if library else "torch"
-    twin_above = weights.dense_above(form, config, device)
+    twin_above = weights.dense_above(form, config, device, arch)
+    experts = ("" if arch.variant.experts is None else "triton" if device == "cuda"
+               else "cpu" if library else "torch")
     return DecodePlan(mode, form, attention, draw, why_mode, why_weights, twin_above,
-                      weights.row_cap(form, config, twin_above))
+                      weights.row_cap(form, config, twin_above), experts)
 
 
 def layers_refusal(config: EngineConfig, arch: ModelArch, library: bool) -> str | None:
@@ -165,6 +172,8 @@ def _mode(config: EngineConfig, arch: ModelArch, device: str,
     refusal = layers_refusal(config, arch, library)
     if refusal is None:
         return "layers", f"auto on the CPU in {config.dtype}"
+    if arch.variant.experts is not None and not library:  # torch's experts loop reads
+        return "eager", "auto; without the C++ library the experts run op by op"  # counts
     if masked is not None and not library:  # torch's masked path reads lengths on the host
         return "eager", f"auto; layers and compile without the C++ library do not take {masked}"
     # the compiled graph calls the C++ decode op, which takes windows and soft-caps itself

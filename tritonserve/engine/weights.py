@@ -68,10 +68,13 @@ def choose(config: EngineConfig, device: str, library: bool, mode: str, gguf: Pa
     return "onednn", "oneDNN's blocked layout (no C++ panels)"
 
 
-def dense_above(form: str, config: EngineConfig, device: str) -> int:
-    """Rows past which a step runs the dense twin (0: no twin, the form runs every step)."""
+def dense_above(form: str, config: EngineConfig, device: str, arch: ModelArch) -> int:
+    """Rows past which a step runs the dense twin (0: no twin, the form runs every step).
+    None for a mixture of experts: a dense copy of every expert is the memory the blocks
+    saved (a step's rows spread over the experts, each taking few of them)."""
     return (DENSE_ABOVE if form in ("gguf", "compressed-tensors")
-            and config.dtype == "bfloat16" and device == "cpu" else 0)
+            and config.dtype == "bfloat16" and device == "cpu"
+            and arch.variant.experts is None else 0)
 
 
 def row_cap(form: str, config: EngineConfig, twin_above: int) -> int:

@@ -102,20 +102,39 @@ class ModelArch:
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
         )
 
+    def mlp_params(self, active: bool = False) -> int:
+        """Every layer's MLP weights; active: those one token reads (top_k of a mixture's
+        experts, and its router)."""
+        h, experts = self.hidden_size, self.variant.experts
+        total = 0
+        for layer in range(self.num_layers):
+            if experts is not None and experts.sparse(layer):
+                count = experts.top_k if active else experts.count
+                total += count * 3 * h * experts.intermediate + experts.count * h
+            else:
+                total += 3 * h * self.intermediate_size
+        return total
+
+    @property
+    def expert_params(self) -> int:
+        """The mixture's expert weights, all of them (0 for a dense model)."""
+        return self.mlp_params() - self.mlp_params(active=True) if self.variant.experts else 0
+
     @property
     def num_params(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * h * i + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        return self.num_layers * (attn + 2 * h) + self.mlp_params() + embed + h
 
     def flops_per_token(self) -> float:
-        """Matmul FLOPs of one output token: 2 x (the layers' weights + the lm_head), the
-        embedding lookup being a gather, not a matmul; attention over the context excluded."""
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        """Matmul FLOPs of one output token: 2 x (the layers' weights it reads, a mixture's
+        chosen experts only, + the lm_head), the embedding lookup being a gather, not a
+        matmul; attention over the context excluded."""
+        h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        return 2.0 * (self.num_layers * (attn + 3 * h * i) + self.vocab_size * h)
+        return 2.0 * (self.num_layers * attn + self.mlp_params(active=True)
+                      + self.vocab_size * h)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.finfo(dtype).bits // 8

@@ -20,6 +20,7 @@ from . import ops
 from .arch import ModelArch
 from .gguf import fuse_rows
 from .linear import Linear, linear, pack, weight_form
+from .moe import SparseMoE
 from .rope import RopeTables, RotaryEmbedding
 
 
@@ -125,7 +126,9 @@ class DecoderLayer(nn.Module):
         self.rope_slot = variant.rope_of(layer_index)  # DecoderForCausalLM.ropes; None: none
         self.residual_scale = variant.residual_scale
         self.self_attn = Attention(arch, layer_index)
-        self.mlp = MLP(arch)
+        experts = variant.experts
+        self.mlp = (SparseMoE(arch.hidden_size, experts, variant.activation)
+                    if experts is not None and experts.sparse(layer_index) else MLP(arch))
         self.norm_names = variant.norm_names()
         for name in self.norm_names:  # by the checkpoint's names (loader.py)
             setattr(self, name, RMSNorm(arch.hidden_size, arch.rms_norm_eps))
@@ -187,10 +190,18 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():  # an MLP comes before its Linears
             if isinstance(module, MLP) and form == "panels":  # silu only (MLP.fuse_silu)
                 module.fuse_silu()
+            elif isinstance(module, SparseMoE):
+                module.pack(form, batch_hint)
             elif isinstance(module, Linear):
                 module.pack(form, batch_hint)
         if self.arch.tie_word_embeddings and self.packed_tied_lm_head is None:
             self.packed_tied_lm_head = pack(self.embed_tokens.weight, form, batch_hint)
+
+    @staticmethod
+    def dense_mlp(layer: "DecoderLayer") -> tuple[Linear, ...]:
+        """A layer's dense MLP projections (none for a mixture of experts)."""
+        mlp = layer.mlp
+        return () if isinstance(mlp, SparseMoE) else (mlp.gate_up_proj, mlp.down_proj)
 
     def quantize_weights(self, kind: str, group: int = quant_layout.GROUP) -> None:
         """Every projection quantized at load into `kind` (u4: int4, groups of `group`, scale
@@ -198,8 +209,10 @@ class DecoderForCausalLM(nn.Module):
         multiple of the group; the lm_head in s8 either way (a 4-bit output layer costs the
         most accuracy: llama.cpp keeps it at Q6_K / Q8_0 too)."""
         for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.quantize(kind, group)
             for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                         layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                         *self.dense_mlp(layer)):
                 if weight_form(proj.weight) == "plain" and proj.in_features % group == 0:
                     proj.weight = nn.Parameter(quant_layout.quantize(
                         proj.weight, kind, group).to(proj.weight.device), requires_grad=False)
@@ -234,6 +247,12 @@ class DecoderForCausalLM(nn.Module):
             use(attn.qkv_proj, [f"{p}self_attn.{x}_proj.weight" for x in "qkv"],
                 f"{p}self_attn.qkv_proj.weight")
             use(attn.o_proj, [f"{p}self_attn.o_proj.weight"])
+            if isinstance(mlp, SparseMoE):
+                gate, up, down = (tensors.get(f"{p}mlp.experts.{x}.weight")
+                                  for x in ("gate_proj", "up_proj", "down_proj"))
+                if gate is not None and up is not None and down is not None:
+                    mlp.load_quantized(gate, up, down)
+                continue
             use(mlp.gate_up_proj, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
                 f"{p}mlp.gate_up_proj.weight")
             use(mlp.down_proj, [f"{p}mlp.down_proj.weight"])
@@ -250,7 +269,8 @@ class DecoderForCausalLM(nn.Module):
         them, would be added by every rank: none of the served ones has."""
         for layer in self.layers:
             layer.self_attn.o_proj.reduce = reduce
-            layer.mlp.down_proj.reduce = reduce
+            (layer.mlp if isinstance(layer.mlp, SparseMoE) else layer.mlp.down_proj).reduce = \
+                reduce
 
     def gather_streamed_weights(self) -> None:
         """The packed weights a decode step streams (projections in panels or quantized
@@ -258,13 +278,16 @@ class DecoderForCausalLM(nn.Module):
         (engine/huge_pages.py); plain and oneDNN weights stay where they are."""
         owners = [(m, "weight") for m in self.modules()
                   if isinstance(m, Linear) and weight_form(m.weight) in ("panels", "quant")]
+        owners += [(m, name) for m in self.modules() if isinstance(m, SparseMoE)
+                   for name in ("gate_up", "down") if weight_form(getattr(m, name)[0]) in (
+                       "panels", "quant")]
         head = self.packed_tied_lm_head
         if head is not None and weight_form(head) in ("panels", "quant"):
             owners.append((self, "packed_tied_lm_head"))
         views = huge_pages.gather([getattr(owner, name) for owner, name in owners])
         for (owner, name), view in zip(owners, views):
-            setattr(owner, name,
-                    nn.Parameter(view, requires_grad=False) if name == "weight" else view)
+            setattr(owner, name, view if name == "packed_tied_lm_head"
+                    else nn.Parameter(view, requires_grad=False))
 
     def decode_layers(self, block_size: int):
         """The C++ op that runs this model's whole layer stack for a decode step

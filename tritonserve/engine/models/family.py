@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -28,7 +29,9 @@ ROPE_KINDS = ("default", "llama3", "linear", "yarn", "longrope", "dynamic")
 LLAMA_GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                    "ffn_down": "mlp.down_proj"}
+                    "ffn_down": "mlp.down_proj", "ffn_gate_exps": "mlp.experts.gate_proj",
+                    "ffn_up_exps": "mlp.experts.up_proj",
+                    "ffn_down_exps": "mlp.experts.down_proj"}
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,46 @@ def rope_from(config: dict, rope: dict | None = None, theta: float | None = None
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP (engine/models/moe.py): `count` experts of `intermediate`
+    rows each, a router choosing `top_k` a token by softmax over all, then top-k (ties as
+    torch.topk breaks them, as transformers does); normalize: the chosen weights divided by
+    their sum (Mixtral always, Qwen3-MoE / OLMoE by norm_topk_prob). layers: which layers are
+    sparse (() every one; a False layer keeps the dense MLP of intermediate_size: Qwen3-MoE's
+    mlp_only_layers and decoder_sparse_step)."""
+
+    count: int
+    top_k: int
+    intermediate: int
+    normalize: bool = True
+    layers: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.count:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, num_experts "
+                             f"{self.count}]")
+
+    def sparse(self, layer: int) -> bool:
+        return self.layers[layer] if self.layers else True
+
+
+def experts_from(config: dict, normalize: bool | None = None) -> Experts:
+    """The Experts of a MoE config.json: num_experts (num_local_experts: Mixtral's name, and
+    the one transformers 5 writes for every family),
+    num_experts_per_tok, moe_intermediate_size (else intermediate_size), norm_topk_prob
+    unless the family fixes `normalize`, and Qwen's mlp_only_layers / decoder_sparse_step."""
+    n = config["num_hidden_layers"]
+    dense = set(config.get("mlp_only_layers") or ())
+    step = int(config.get("decoder_sparse_step") or 1)
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    return Experts(
+        count=int(config.get("num_experts") or config["num_local_experts"]), top_k=int(config["num_experts_per_tok"]),
+        intermediate=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+        normalize=bool(config.get("norm_topk_prob", False)) if normalize is None else normalize,
+        layers=() if all(layers) else layers)
+
+
+@dataclass(frozen=True)
 class DecoderVariant:
     """How one model's decoder differs from Llama's; each default is Llama's.
 
@@ -100,7 +143,8 @@ class DecoderVariant:
       sqrt(hidden), Granite: embedding_multiplier), in the model's dtype.
     tied_head: the output layer is the embedding table. logit_scale: logits times this
       (Granite: 1 / logits_scaling); logit_softcap: then cap * tanh(logits / cap) (Gemma 2),
-      None for none."""
+      None for none.
+    experts: the MLP is a mixture of experts (Experts; None: dense)."""
 
     norm_placement: str = "pre"
     norm_offset: float = 0.0
@@ -117,6 +161,7 @@ class DecoderVariant:
     tied_head: bool = False
     logit_scale: float = 1.0
     logit_softcap: float | None = None
+    experts: Experts | None = None
 
     def __post_init__(self) -> None:
         checks = (("norm_placement", self.norm_placement, NORM_PLACEMENTS),
@@ -161,7 +206,8 @@ class DecoderVariant:
             ("partial rotary", any(r.fraction < 1.0 for r in self.ropes)),
             ("an attention soft-cap", self.attn_softcap is not None),
             ("a residual multiplier", self.residual_scale != 1.0),
-            ("an embedding scale", self.embedding_scale != 1.0)) if odd]
+            ("an embedding scale", self.embedding_scale != 1.0),
+            ("mixture of experts", self.experts is not None)) if odd]
         return ", ".join(differs) or None
 
 
@@ -205,6 +251,9 @@ class ModelFamily:
     # prefixes of tensors not read at all (its vision tower)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     checkpoint_ignored: tuple[str, ...] = ()
+    # regular-expression substitutions over the names, after the renames (Mixtral's
+    # block_sparse_moe.experts.E.w1 -> mlp.experts.E.gate_proj)
+    checkpoint_subs: tuple[tuple[str, str], ...] = ()
     # GGUF: the files' general.architecture -> the checkpoint architecture; gguf_config adds
     # the family's own metadata keys to a converted config.json (engine/models/gguf_convert.py,
     # which converts the families that have one; the others go through transformers' GGUF
@@ -212,6 +261,9 @@ class ModelFamily:
     gguf_archs: Mapping[str, str] = field(default_factory=dict)
     gguf_config: Callable[[object, dict], None] | None = None
     gguf_norm_shift: float = 0.0
+    # the file's expert tensors decide between families of one GGUF architecture (llama.cpp
+    # writes Mixtral as `llama`): True for files with experts only, False without, None either
+    gguf_experts: bool | None = None
 
     def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name as the decoder's slots name it (None: not read)."""
@@ -219,7 +271,10 @@ class ModelFamily:
             return None
         for old, new in self.checkpoint_renames:
             if name.startswith(old):
-                return new + name[len(old):]
+                name = new + name[len(old):]
+                break
+        for pattern, repl in self.checkpoint_subs:
+            name = re.sub(pattern, repl, name)
         return name
 
 

@@ -58,7 +58,8 @@ class GGUFError(ValueError):
 @dataclass(frozen=True)
 class QuantTensor:
     """One weight [N, K]: its source type (a GGML type, or a compressed-tensors scheme's
-    W4A16 / W8A16), the packing kind and the packed panels."""
+    W4A16 / W8A16), the packing kind and the packed panels; stacked experts [E, N, K] are
+    each expert's panels stacked (packed[e]), shape the one expert's."""
 
     type_name: str
     kind: str
@@ -212,15 +213,33 @@ def read_quantized(path: str | Path, num_heads: int, num_kv_heads: int, strict: 
                 raise _not_served(path, tensor.name, type_name)
             skipped[tensor.name] = type_name
             continue
+        kind = SERVED[type_name][0]
+        if len(tensor.shape) == 3:  # stacked experts (K, N, E): each expert packed alone
+            k, n, experts = (int(s) for s in tensor.shape)
+            data = np.asarray(tensor.data).reshape(experts, n, -1)
+            packed = torch.stack([pack_parsed(type_name, parse_blocks(type_name, data[e], n, k))
+                                  for e in range(experts)])
+            out[name] = QuantTensor(type_name, kind, packed, (n, k))
+            continue
         k, n = (int(s) for s in tensor.shape)  # GGUF lists the row length first
         parsed = parse_blocks(type_name, tensor.data, n, k)
         heads = num_heads if ".attn_q." in tensor.name else num_kv_heads
         if family.gguf_rope_permuted and (".attn_q." in tensor.name
                                           or ".attn_k." in tensor.name):
             parsed = tuple(None if t is None else unpermute_rows(t, heads) for t in parsed)
-        kind = SERVED[type_name][0]
         out[name] = QuantTensor(type_name, kind, pack_parsed(type_name, parsed), (n, k))
     return Served(out, skipped)
+
+
+def experts_served(path: str | Path) -> bool:
+    """Every stacked expert tensor of the file is in a SERVED type, with rows that stack into
+    whole panels (SparseMoE.load_quantized takes them all as blocks): the dense experts need
+    not be loaded at all. False for a file without experts. Reads the header only."""
+    import gguf
+
+    experts = [t for t in gguf.GGUFReader(str(path)).tensors if t.name.endswith("_exps.weight")]
+    return bool(experts) and all(t.tensor_type.name in SERVED
+                                 and int(t.shape[1]) % quant_layout.COLS == 0 for t in experts)
 
 
 # safetensors inside, not named *.safetensors: the loader reads every such file of the folder

@@ -21,6 +21,7 @@ import torch
 
 from .family import FAMILIES, ModelFamily, supported_gguf_architectures
 from .gguf import unpermute_rows
+from .moe import PROJECTIONS, fused_experts, stacked_name
 
 
 class GGUFMeta:
@@ -41,12 +42,19 @@ class GGUFMeta:
         return None if t is None else [float(x) for x in np.asarray(t.data).reshape(-1)]
 
 
-def family_of_gguf(arch: str) -> tuple[ModelFamily, str] | None:
-    """The family and Hugging Face architecture of a GGUF `general.architecture`."""
-    for family in FAMILIES.values():
-        if arch in family.gguf_archs:
-            return family, family.gguf_archs[arch]
-    return None
+def family_of_gguf(arch: str, experts: bool = False) -> tuple[ModelFamily, str] | None:
+    """The family and Hugging Face architecture of a GGUF `general.architecture`, whose file
+    has expert tensors or not (a `llama` file with experts is Mixtral)."""
+    found = [f for f in FAMILIES.values() if arch in f.gguf_archs
+             and f.gguf_experts in (None, experts)]
+    if not found:
+        return None
+    family = next((f for f in found if f.gguf_experts is not None), found[0])
+    return family, family.gguf_archs[arch]
+
+
+def has_experts(reader) -> bool:
+    return any(t.name.endswith("_exps.weight") for t in reader.tensors)
 
 
 def converts_itself(gguf_file: Path) -> bool:
@@ -55,7 +63,7 @@ def converts_itself(gguf_file: Path) -> bool:
     import gguf
     reader = gguf.GGUFReader(str(gguf_file))
     arch = reader.fields["general.architecture"].contents()
-    found = family_of_gguf(arch)
+    found = family_of_gguf(arch, has_experts(reader))
     if found is None:
         raise ValueError(f"{gguf_file.name}: GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(supported_gguf_architectures())})")
@@ -100,6 +108,17 @@ def config_of(meta: GGUFMeta, family: ModelFamily, architecture: str) -> dict:
         original = meta.get(Rope.SCALING_ORIG_CTX_LEN)
         if original:
             config["rope_scaling"]["original_max_position_embeddings"] = int(original)
+    experts = meta.get(LLM.EXPERT_COUNT)
+    if experts:  # a mixture of experts; a layer without stacked experts keeps a dense MLP
+        config.update(
+            num_experts=int(experts), num_experts_per_tok=int(meta.get(LLM.EXPERT_USED_COUNT)),
+            moe_intermediate_size=int(meta.get(LLM.EXPERT_FEED_FORWARD_LENGTH)
+                                      or config["intermediate_size"]),
+            mlp_only_layers=[i for i in range(config["num_hidden_layers"])
+                             if f"blk.{i}.ffn_gate_exps.weight" not in meta.tensors])
+        norm = meta.get(LLM.EXPERT_WEIGHTS_NORM)
+        if norm is not None:
+            config["norm_topk_prob"] = bool(norm)
     family.gguf_config(meta, config)
     return config
 
@@ -120,6 +139,11 @@ def tensor_names(family: ModelFamily, config: dict, gguf_arch: str) -> dict[str,
         next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == gguf_arch),
         arch.num_layers)
     out = {}
+    for i in range(arch.num_layers):  # experts: one stacked tensor a projection (moe.py)
+        for proj in PROJECTIONS:
+            stored = names.get_name(f"model.layers.{i}.mlp.experts.{proj}")
+            if stored is not None:
+                out[f"{stored}.weight"] = stacked_name(i, proj)
     for hf in checkpoint_slots(model):
         base, _, suffix = hf.rpartition(".")
         stored = names.get_name(base)
@@ -138,7 +162,7 @@ def convert(gguf_file: Path, work: Path) -> None:
 
     reader = gguf.GGUFReader(str(gguf_file))
     meta = GGUFMeta(reader)
-    family, architecture = family_of_gguf(meta.arch)
+    family, architecture = family_of_gguf(meta.arch, has_experts(reader))
     config = config_of(meta, family, architecture)
     names = tensor_names(family, config, meta.arch)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -158,6 +182,7 @@ def convert(gguf_file: Path, work: Path) -> None:
         if family.gguf_norm_shift and name.endswith("norm.weight"):
             weight = weight - family.gguf_norm_shift
         state[name] = weight.contiguous()
+    state = fused_experts(state)
     save_file(state, str(work / "model.safetensors"), metadata={"format": "pt"})
     (work / "config.json").write_text(json.dumps(config, indent=2))
     (work / "generation_config.json").write_text(json.dumps(

@@ -18,6 +18,7 @@ from ..parallel import Shard
 from .arch import ModelArch
 from .family import FAMILIES
 from .decoder import DecoderForCausalLM, RMSNorm
+from .moe import EXPERT_PARAMS, SparseMoE, expert_slots, is_stacked, split_stacked
 from .rope import RotaryEmbedding
 
 # Buffers some checkpoints carry that are recomputed here.
@@ -68,6 +69,12 @@ def checkpoint_slots(model: DecoderForCausalLM) -> dict[str, WeightSlot]:
         if arch.qk_norm:
             whole(f"{p}self_attn.q_norm.weight", attn.q_norm.weight)
             whole(f"{p}self_attn.k_norm.weight", attn.k_norm.weight)
+        for norm in layer.norm_names:  # the variant's placement (family.py: norm_names)
+            whole(f"{p}{norm}.weight", getattr(layer, norm).weight)
+        if isinstance(mlp, SparseMoE):
+            for name, (view, split) in expert_slots(p, mlp).items():
+                slots[name] = WeightSlot(view, 0, view.shape[0], split)
+            continue
         inter = arch.intermediate_size
         if fused:
             whole(f"{p}mlp.gate_up_proj.weight", mlp.gate_up_proj.weight)
@@ -76,8 +83,6 @@ def checkpoint_slots(model: DecoderForCausalLM) -> dict[str, WeightSlot]:
             slots[f"{p}mlp.up_proj.weight"] = WeightSlot(mlp.gate_up_proj.weight, inter, inter,
                                                          0)
         whole(f"{p}mlp.down_proj.weight", mlp.down_proj.weight, split=1)
-        for norm in layer.norm_names:  # the variant's placement (family.py: norm_names)
-            whole(f"{p}{norm}.weight", getattr(layer, norm).weight)
     return slots
 
 
@@ -138,6 +143,8 @@ def load_weights(model: DecoderForCausalLM, folder: str | Path,
 
     def put(name: str, tensor) -> None:
         slot = slots.get(name)
+        if slot is not None and slot.param.is_meta:
+            return  # an expert left for its blocks (build_model's experts_later)
         if slot is None:
             unexpected.append(name)
             return
@@ -150,6 +157,7 @@ def load_weights(model: DecoderForCausalLM, folder: str | Path,
         slot.param[slot.start:slot.start + slot.rows].copy_(tensor)
         loaded.add(name)
 
+    later = any(slot.param.is_meta for slot in slots.values())
     for name, tensor in substitute.items():
         put(name, tensor)
     family = FAMILIES[model.arch.family]
@@ -164,10 +172,17 @@ def load_weights(model: DecoderForCausalLM, folder: str | Path,
                 if name == "lm_head.weight" and model.arch.tie_word_embeddings:
                     continue  # tied: the embedding is the head
                 if name not in slots:
-                    unexpected.append(name)
+                    if later and is_stacked(name):
+                        continue  # left for its blocks, not read
+                    parts = split_stacked(name, f.get_tensor(stored))
+                    if parts is None:
+                        unexpected.append(name)
+                    for part, tensor in parts or ():
+                        put(part, tensor)
                     continue
                 put(name, f.get_tensor(stored))
-    missing = sorted(set(slots) - loaded - {s.split(':')[0] for s in mis_shaped})
+    later = {name for name, slot in slots.items() if slot.param.is_meta}
+    missing = sorted(set(slots) - loaded - later - {s.split(':')[0] for s in mis_shaped})
     problems = []
     if missing:
         problems.append(f"missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
@@ -203,16 +218,20 @@ def init_dummy_weights(model: DecoderForCausalLM, seed: int = 0) -> None:
 def build_model(arch: ModelArch, folder: str | Path | None, dtype: torch.dtype,
                 device: torch.device, max_positions: int, dummy: bool = False,
                 seed: int = 0, substitute: dict[str, torch.Tensor] | None = None,
-                shard: Shard = Shard()) -> DecoderForCausalLM:
+                shard: Shard = Shard(), experts_later: bool = False) -> DecoderForCausalLM:
     """Built on the meta device (no memory, no random init), then each parameter allocated
     once, on the target device in the target dtype, and filled from the checkpoint one tensor
     at a time (cast and copied as it is read from its shard). Host memory peaks near the
     weights in the target dtype (on the CPU) plus the largest tensor, instead of an fp32 copy
-    of the whole model plus its cast (bench/loading.py measures it)."""
+    of the whole model plus its cast (bench/loading.py measures it). experts_later: a mixture's
+    expert weights are not allocated nor read (a GGUF file's blocks replace them after:
+    a 30B-A3B file would otherwise take its dense size in memory at load)."""
     with torch.device("meta"):
         model = DecoderForCausalLM(arch, max_positions)
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
+            if experts_later and isinstance(module, SparseMoE) and name in EXPERT_PARAMS:
+                continue  # left on meta: the blocks take their place (SparseMoE.load_quantized)
             setattr(module, name, nn.Parameter(
                 torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False))
     model.ropes = nn.ModuleList(  # the fp32 cos/sin tables

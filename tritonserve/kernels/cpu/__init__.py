@@ -22,6 +22,11 @@ from . import build
 log = logging.getLogger("tritonserve.kernels")
 
 
+# load()'s answer once it has run (a plain global a compiled graph may read: load itself
+# builds and stats files, which torch.compile cannot trace)
+LOADED = False
+
+
 @functools.cache
 def load() -> bool:
     """Build (first time) and load the library; True when torch.ops.tritonserve has it. Says
@@ -32,6 +37,8 @@ def load() -> bool:
             "CPU C++ ops unavailable: %s; the plain-torch paths serve", outcome.reason)
         return False
     _register_fakes()
+    global LOADED
+    LOADED = True
     (log.warning if outcome.note else log.info)("CPU C++ ops %s (%s)", outcome.reason,
                                                 _describe_levels())
     return True
@@ -101,6 +108,11 @@ OPS: tuple[tuple[str, object, str], ...] = (
      "(x [M, K] fp32 or bf16, weight uint8 panels of kernels/quant_layout.py, N, bias or None) "
      "-> x @ dequantize(weight)^T + bias in x's dtype, the weight widened in registers "
      "(linear_quant.cpp)"),
+    ("moe_experts", _fake(lambda x, *args: x.shape),
+     "(x [T, H] fp32 or bf16, ids [T, k] int64, weights [T, k] fp32, gate_up [E, ...], "
+     "down [E, ...], I) -> reference.fused_moe's [T, H], each expert's weights in any form of "
+     "engine/models/linear.py, the rows grouped by expert: an expert no row chose is not read "
+     "(moe.cpp)"),
     ("decode_layers",
      lambda x, norms, panels, biases, cos, sin, slot_mapping, k_caches, v_caches, block_tables,
      seq_lens, num_heads, eps, scale, input_ids=None, positions=None, final_norm=None: (
@@ -116,6 +128,8 @@ OPS: tuple[tuple[str, object, str], ...] = (
      "reading each row three times and writing nothing [B, V] (sampling.cpp)"),
     ("set_amx", None, "(on) -> whether bf16 panel matmuls run on AMX tiles now"),
     ("amx_enabled", None, "() -> whether bf16 panel matmuls of 4+ rows run on AMX tiles"),
+    ("moe_bytes_read", None, "(reset) -> the expert weight bytes moe_experts gave its "
+     "matmuls since the last reset (moe.cpp)"),
     ("decode_layers_supported", None, "(dtype, head_dim, group, block_size) -> bool"),
     ("decode_layers_timing", None, "(on): decode_layers' per-thread phase timing"),
     ("decode_layers_phases", None, "() -> (seconds [threads, phases, 2], calls)"),

@@ -38,7 +38,7 @@ log = logging.getLogger("tritonserve.kernels")
 FOLDER = Path(__file__).parent
 SOURCES = [FOLDER / name for name in ("paged_decode.cpp", "fused_ops.cpp", "linear.cpp",
                                       "linear_bf16.cpp", "linear_quant.cpp", "sampling.cpp",
-                                      "decode_layers.cpp", "machine_probe.cpp")]
+                                      "decode_layers.cpp", "machine_probe.cpp", "moe.cpp")]
 HEADERS = sorted(FOLDER.glob("*.h"))  # staged beside them, not compiled
 NAME = "tritonserve_cpu_ops"
 FAILED = "build-failed.txt"

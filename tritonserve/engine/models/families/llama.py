@@ -4,4 +4,4 @@ from ..family import ModelFamily, variant_from
 
 FAMILY = ModelFamily(name="llama", architectures=("LlamaForCausalLM",),
                      model_types=("llama",), variant=variant_from, gguf_rope_permuted=True,
-                     gguf_archs={"llama": "LlamaForCausalLM"})
+                     gguf_archs={"llama": "LlamaForCausalLM"}, gguf_experts=False)

@@ -1,0 +1,262 @@
+"""The mixture-of-experts MLP: a router picks each token's top-k experts, and only they run.
+
+Routing (`route`) is transformers': the router's logits, softmax in fp32 over every expert,
+torch.topk (its tie order), the chosen weights renormalised where the family says. The logits
+come from fp32 panels on the CPU (kernels/cpu/panels_fp32.h sums each row in one order at any
+batch of two or more rows; a lone row is given a twin), so a token picks the same experts with
+the same weights in a batch as alone.
+
+The experts' weights are stacked, one tensor a projection: gate_up [E, 2I, H] (each expert's
+gate rows, then its up rows) and down [E, H, I], in any form of engine/models/linear.py once
+packed (each expert packed alone, then stacked: a stacked tensor's [e] is that expert's
+packed weight). `moe_experts` (a CustomOp: one implementation a device) runs them: rows grouped by expert across the batch, each
+chosen expert's weights read once a step, none of the others (kernels/cpu/moe.cpp on the CPU,
+kernels/triton/fused_moe.py on CUDA, kernels/reference.py's fused_moe the oracle).
+
+Checkpoints name experts one tensor each (model.layers.L.mlp.experts.E.gate_proj.weight);
+`split_stacked` also reads them stacked (a GGUF file's ffn_gate_exps, as gguf_convert names
+it, and transformers' fused gate_up_proj [E, 2I, H]).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from tritonserve.kernels import cpu, quant_layout
+
+from . import ops
+from .family import Experts
+from .linear import linear, pack, weight_form
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PARAMS = ("gate_up", "down")  # SparseMoE's stacked expert weights
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (expert ids [T, k] int64, weights [T, k] fp32), as transformers'
+    TopKRouter: softmax over all experts in fp32, top-k, renormalised if `normalize`."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+class MoeExperts(ops.CustomOp):
+    """x [T, H], each token's expert ids and routing weights [T, k], the stacked experts
+    gate_up [E, ...] and down [E, ...] (engine/models/moe.py: expert e is [e], in any form of
+    linear.py), inter I -> [T, H], reference.fused_moe's sum. On the CPU the C++ op
+    (kernels/cpu/moe.cpp) groups the rows by expert and reads each chosen expert once; a
+    compiled graph calls it as it is (its fake: kernels/cpu OPS). Without it, and for the
+    forms the Triton kernel does not take, `grouped`."""
+
+    def __call__(self, x, ids, weights, gate_up, down, inter):
+        if x.device.type == "cpu":
+            return self.forward_cpu(x, ids, weights, gate_up, down, inter)
+        return super().__call__(x, ids, weights, gate_up, down, inter)
+
+    def forward_native(self, x, ids, weights, gate_up, down, inter):
+        return grouped_experts(x, ids, weights, gate_up, down, inter)
+
+    def forward_cpu(self, x, ids, weights, gate_up, down, inter):
+        if not cpu.LOADED:  # set once the engine loaded the library (a graph reads the flag)
+            return self.forward_native(x, ids, weights, gate_up, down, inter)
+        return torch.ops.tritonserve.moe_experts(x.contiguous(), ids, weights.float(),
+                                                 gate_up, down, inter)
+
+    def forward_cuda(self, x, ids, weights, gate_up, down, inter):
+        from tritonserve.kernels.triton import fused_moe
+        if not fused_moe.takes(gate_up, down):
+            return self.forward_native(x, ids, weights, gate_up, down, inter)
+        return fused_moe.fused_moe(x, ids, weights, gate_up, down, inter)
+
+
+def grouped_experts(x, ids, weights, gate_up, down, inter):
+    """MoeExperts in torch over any weight form: the tokens sorted by expert, one matmul pair
+    for each expert chosen (linear.py's `linear`), the weighted rows summed in fp32."""
+    hidden = x.shape[1]
+    out = torch.zeros(x.shape[0], hidden, dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    token, w = order // ids.shape[1], weights.reshape(-1)[order].float()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = token[start:start + n]
+        h = linear(x[rows].contiguous(), gate_up[e], out_features=2 * inter)
+        y = linear(ops.silu_and_mul(h).contiguous(), down[e], out_features=hidden)
+        out.index_add_(0, rows, y.float() * w[start:start + n].unsqueeze(1))
+        start += n
+    return out.to(x.dtype)
+
+
+moe_experts = MoeExperts()
+
+
+class Router(nn.Module):
+    """The router's weight [E, H] (the checkpoint's mlp.gate.weight); its logits in fp32."""
+
+    def __init__(self, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+        self.count = experts
+        self.panels: torch.Tensor | None = None  # fp32 panels, set by prepack
+
+    def prepack(self) -> None:
+        """fp32 panels of the weight where the C++ library has them (one summation order at
+        every batch size: the same experts in a batch as alone)."""
+        if self.panels is None and self.weight.device.type == "cpu":
+            try:
+                self.panels = pack(self.weight.detach().float(), "panels", 1)
+            except ValueError:  # no C++ library: F.linear in fp32
+                self.panels = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            rows = x.shape[0]
+            x = x.float()
+            if rows == 1:  # one row takes panels_fp32.h's two-chain path (another order)
+                x = torch.cat((x, x))
+            return torch.ops.tritonserve.packed_linear(x.contiguous(), self.panels,
+                                                       self.count, None)[:rows]
+        return torch.nn.functional.linear(x.float(), self.weight.float())
+
+
+class SparseMoE(nn.Module):
+    """x [T, H] -> sum over each token's top-k experts of weight * expert(x), an expert being
+    down(silu(gate(x)) * up(x)). reduce: as Linear.reduce (tensor parallel: each rank holds
+    every expert's share of the intermediate rows)."""
+
+    reduce = None
+
+    def __init__(self, hidden: int, spec: Experts, activation: str) -> None:
+        super().__init__()
+        if activation != "silu":
+            raise ValueError(f"mixture of experts with a {activation} activation is not "
+                             f"supported (silu only)")
+        self.spec, self.hidden = spec, hidden
+        self.inter = spec.intermediate
+        self.gate = Router(hidden, spec.count)
+        self.gate_up = nn.Parameter(torch.empty(spec.count, 2 * self.inter, hidden))
+        self.down = nn.Parameter(torch.empty(spec.count, hidden, self.inter))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = route(self.gate(x), self.spec.top_k, self.spec.normalize)
+        y = moe_experts(x, ids, weights, self.gate_up, self.down, self.inter)
+        if self.reduce is not None:
+            self.reduce(y)
+        return y
+
+    def pack(self, form: str, batch_hint: int) -> None:
+        """Each expert's plain weights in `form` (panels, onednn needs one tensor: kept
+        plain), stacked again."""
+        self.gate.prepack()
+        if form != "panels" or weight_form(self.gate_up[0]) != "plain":
+            return
+        for name in ("gate_up", "down"):
+            stacked = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.stack(
+                [pack(w, "panels", batch_hint) for w in stacked.detach()]),
+                requires_grad=False))
+
+    def quantize(self, kind: str, group: int) -> None:
+        """Each expert quantized into `kind` (decoder.quantize_weights), where rows allow."""
+        if weight_form(self.gate_up[0]) != "plain" or self.hidden % group or self.inter % group:
+            return
+        for name in ("gate_up", "down"):
+            stacked = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.stack(
+                [quant_layout.quantize(w, kind, group) for w in stacked.detach()]).to(
+                stacked.device), requires_grad=False))
+
+    def load_quantized(self, gate, up, down) -> None:
+        """The stacked experts of a GGUF file as their blocks (gguf.py's QuantTensors, packed
+        [E, ...]): each expert's gate and up stacked by rows into one matmul (gguf.fuse_rows:
+        s8hm where their kinds differ); experts whose rows do not fuse stay dense."""
+        from .gguf import QuantTensor, fuse_rows
+
+        def expert(t, e):
+            return QuantTensor(t.type_name, t.kind, t.packed[e], t.shape)
+
+        fused = [fuse_rows([expert(gate, e), expert(up, e)]) for e in range(self.spec.count)]
+        if any(f is None for f in fused):
+            if self.gate_up.is_meta:  # build_model left them for these blocks
+                raise ValueError("the experts' gate and up blocks do not stack into whole "
+                                 "panels and no dense experts were loaded")
+            return
+        device = self.gate.weight.device  # the experts' own may be meta (build_model)
+        self.gate_up = nn.Parameter(torch.stack(fused).to(device), requires_grad=False)
+        self.down = nn.Parameter(down.packed.to(device), requires_grad=False)
+
+    def expert_bytes(self) -> int:
+        """The bytes one expert's weights occupy (gate_up and down, as stored)."""
+        return sum(t[0].numel() * t.element_size() for t in (self.gate_up, self.down))
+
+
+def expert_slots(prefix: str, moe: SparseMoE, rows_split: bool = True) -> dict:
+    """Checkpoint name -> (tensor view, split) for every expert of a layer (loader.py makes
+    WeightSlots of them): gate rows [0, I) and up rows [I, 2I) of gate_up[e], down[e]."""
+    inter = moe.inter
+    slots = {f"{prefix}mlp.gate.weight": (moe.gate.weight, None)}
+    for e in range(moe.spec.count):
+        p = f"{prefix}mlp.experts.{e}."
+        slots[f"{p}gate_proj.weight"] = (moe.gate_up.data[e, :inter], 0)
+        slots[f"{p}up_proj.weight"] = (moe.gate_up.data[e, inter:], 0)
+        slots[f"{p}down_proj.weight"] = (moe.down.data[e], 1)
+    return slots
+
+
+_STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj|gate_up_proj)"
+                      r"(\.weight)?$")
+
+
+def is_stacked(name: str) -> bool:
+    return _STACKED.fullmatch(name) is not None
+
+
+def split_stacked(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """A stacked expert tensor [E, rows, K] -> its per-expert names and tensors (None: not
+    one). gate_up_proj [E, 2I, H] (transformers' fused form) gives each expert's gate and up."""
+    found = _STACKED.fullmatch(name)
+    if found is None or tensor.dim() != 3:
+        return None
+    base, proj = found.group(1), found.group(2)
+    out = []
+    for e in range(tensor.shape[0]):
+        if proj == "gate_up_proj":
+            gate, up = tensor[e].chunk(2, dim=0)
+            out += [(f"{base}.{e}.gate_proj.weight", gate), (f"{base}.{e}.up_proj.weight", up)]
+        else:
+            out.append((f"{base}.{e}.{proj}.weight", tensor[e]))
+    return out
+
+
+def stacked_name(layer: int, proj: str) -> str:
+    """The name a stacked projection of layer `layer` goes by (gguf_convert writes it)."""
+    return f"model.layers.{layer}.mlp.experts.{proj}.weight"
+
+
+def fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stacked gate / up / down tensors (stacked_name) -> transformers 5's own parameters,
+    model.layers.L.mlp.experts.gate_up_proj [E, 2I, H] and .down_proj [E, H, I], which every
+    family's model there loads as they are (its per-expert names differ by family: Mixtral's
+    w1 / w2 / w3); split_stacked reads them back."""
+    out = {}
+    for name, tensor in state.items():
+        found = _STACKED.fullmatch(name)
+        if found is None or found.group(2) == "up_proj":
+            if found is None:
+                out[name] = tensor
+            continue
+        base = found.group(1)
+        if found.group(2) == "gate_proj":
+            out[f"{base}.gate_up_proj"] = torch.cat(
+                (tensor, state[f"{base}.up_proj.weight"]), dim=1).contiguous()
+        else:
+            out[f"{base}.down_proj"] = tensor
+    return out
