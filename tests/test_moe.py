@@ -70,7 +70,9 @@ def test_the_compiled_step_equals_eager(moe_models):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_the_family_as_a_gguf_file(tmp_path, arch):
     """F32: the converted folder's tokens are transformers'; Q8_0 blocks (experts stacked,
-    each expert's blocks packed alone) served as blocks give the dequantized folder's tokens."""
+    each expert's blocks packed alone) served as blocks give the tokens of the same file
+    loaded dense (--quantization none: the experts dequantized from the file, which the
+    converted folder leaves out) and the rest dequantized as transformers reads it."""
     from tests.gguf_files import write_gguf
     from tritonserve.engine.default_model import gguf_folder
 
@@ -88,8 +90,17 @@ def test_the_family_as_a_gguf_file(tmp_path, arch):
     layer = llm.engine.runner.model.layers[-1].mlp
     assert isinstance(layer, moe.SparseMoE) and quant_layout.kind_of(layer.gate_up[0]) == "s8"
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
-    refs = hf_greedy(str(gguf_folder(blocks)), prompts, 32, set(llm.engine.eos_token_ids))
-    assert_parity([o.token_ids for o in outs], refs)
+    assert not any("experts" in name for name in _stored(gguf_folder(blocks)))
+    dense = LLM(str(blocks), dtype="float32", decode_mode="eager", quantization="none")
+    assert dense.engine.runner.plan.weights != "gguf"
+    refs = dense.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in refs]
+
+
+def _stored(folder) -> list[str]:
+    from safetensors import safe_open
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return list(f.keys())
 
 
 def _experts(e=6, h=64, i=32, seed=0):
@@ -286,9 +297,9 @@ def test_two_tensor_parallel_ranks_split_every_expert(moe_models):
 
 
 def test_a_gguf_files_experts_are_never_loaded_dense(tmp_path, monkeypatch):
-    """Served as blocks, a file's experts are not allocated dense nor read from the converted
-    folder (a 30B-A3B file would take its dense size in memory at load): the loader never asks
-    for an expert tensor, and the tokens are those of the experts loaded dense first."""
+    """Served as blocks, a file's experts are neither in the converted folder nor allocated
+    dense at load (a 30B-A3B file's would take 120 GB in fp32); loaded dense (quantization
+    none) they are dequantized from the file, and give the blocks' tokens on Q8_0."""
     from tests.gguf_files import write_gguf
     from tritonserve.engine.models import loader
 
@@ -302,8 +313,9 @@ def test_a_gguf_files_experts_are_never_loaded_dense(tmp_path, monkeypatch):
                         lambda *a, **k: built.append(k["experts_later"]) or real(*a, **k))
     llm = LLM(str(blocks), dtype="float32", decode_mode="eager")
     assert built == [True] and llm.engine.runner.plan.weights == "gguf"
+    assert llm.engine.runner.model.layers[0].mlp.gate_up.dtype == torch.uint8
     later = [o.token_ids for o in llm.generate(prompts, params)]
-    monkeypatch.setattr("tritonserve.engine.model_runner.experts_served", lambda path: False)
-    dense_first = LLM(str(blocks), dtype="float32", decode_mode="eager")
+    dense = LLM(str(blocks), dtype="float32", decode_mode="eager", quantization="none")
     assert built == [True, False]
-    assert [o.token_ids for o in dense_first.generate(prompts, params)] == later
+    assert dense.engine.runner.model.layers[0].mlp.gate_up.dtype != torch.uint8
+    assert [o.token_ids for o in dense.generate(prompts, params)] == later

@@ -18,7 +18,7 @@ from .decode_graphs import DecodeGraphs, bucket_sizes
 from .memory import DeviceMemory
 from .models import ForwardContext, ModelArch, build_model
 from .models.compressed import read_compressed, scheme_of
-from .models.gguf import experts_served
+from .models.gguf import dense_experts, experts_served
 from .parallel import Shard
 from .plan import resolve_plan
 from .request import Request
@@ -69,9 +69,12 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         dense, packed = (read_compressed(folder, scheme) if scheme is not None
                          and config.load_format != "dummy" else (None, None))
-        # a mixture's experts as a GGUF file's blocks: never loaded dense (engine/models/gguf.py)
-        experts_later = (self.plan.weights == "gguf" and arch.variant.experts is not None
-                         and shard.size == 1 and experts_served(gguf))
+        # a mixture's experts as a GGUF file's blocks: never loaded dense (engine/models/gguf.py);
+        # the converted folder has none of them, so a dense load reads them from the file
+        blocks = gguf is not None and arch.variant.experts is not None and experts_served(gguf)
+        experts_later = blocks and self.plan.weights == "gguf" and shard.size == 1
+        if blocks and not experts_later and config.load_format != "dummy":
+            dense = {**(dense or {}), **dense_experts(gguf, arch.family)}
         self.model = build_model(arch, folder, config.torch_dtype, self.device, max_positions,
                                  dummy=config.load_format == "dummy", seed=config.seed,
                                  substitute=dense, shard=shard, experts_later=experts_later)

@@ -242,6 +242,29 @@ def experts_served(path: str | Path) -> bool:
                                  and int(t.shape[1]) % quant_layout.COLS == 0 for t in experts)
 
 
+def dense_experts(path: str | Path, family: str) -> dict[str, torch.Tensor]:
+    """A file's stacked experts dequantized (fp32), by the checkpoint's per-expert names: what
+    a dense load takes in their place where the converted folder left them out (its experts
+    are served as blocks: gguf_convert.convert) and blocks cannot run (quantization none,
+    tensor parallel)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from .moe import split_stacked
+
+    names = FAMILIES[family].gguf_names
+    out: dict[str, torch.Tensor] = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        name = hf_name(tensor.name, names)
+        if name is None or not tensor.name.endswith("_exps.weight"):
+            continue
+        shape = tuple(reversed([int(s) for s in tensor.shape]))
+        stacked = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type),
+                                            dtype=np.float32).reshape(shape))
+        out.update(split_stacked(name, stacked))
+    return out
+
+
 # safetensors inside, not named *.safetensors: the loader reads every such file of the folder
 PACKED = "gguf-blocks.packed"
 PACKED_VERSION = "4"  # raise when quant_layout's bytes or parse_blocks' output change

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .family import FAMILIES, ModelFamily, supported_gguf_architectures
-from .gguf import unpermute_rows
+from .gguf import experts_served, unpermute_rows
 from .moe import PROJECTIONS, fused_experts, stacked_name
 
 
@@ -166,8 +166,13 @@ def convert(gguf_file: Path, work: Path) -> None:
     config = config_of(meta, family, architecture)
     names = tensor_names(family, config, meta.arch)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    # experts served as blocks are left out (a 30B-A3B file's would be 120 GB in fp32); a
+    # dense load dequantizes them from the file itself (gguf.dense_experts)
+    blocks_only = experts_served(gguf_file)
     state = {}
     for tensor in reader.tensors:
+        if blocks_only and tensor.name.endswith("_exps.weight"):
+            continue
         name = names.get(tensor.name)
         if name is None:
             if tensor.name.startswith("rope_factors_"):
