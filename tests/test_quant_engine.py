@@ -164,8 +164,9 @@ def test_a_gguf_file_as_model(tmp_path, monkeypatch):
 @needs_library
 def test_the_default_serves_its_blocks_and_bf16_panels_past_eight_rows():
     """The embedded model, auto: its GGUF blocks (the plan says so) for steps of up to 8
-    rows, the bf16 panels of its conversion above (plan.dense_above): decode steps of 12
-    sequences run the dense op, of 8 and fewer the quantized one, and both answer."""
+    rows, the bf16 panels of its conversion above (plan.dense_above): steps of 12 sequences
+    run the dense weights, of 8 and fewer the quantized ones, and both answer (whichever decode
+    path the plan took: the layers op, or on a CPU without AVX512-BF16 the compiled graph)."""
     llm = LLM(None, dtype="bfloat16", max_num_seqs=16)
     runner = llm.engine.runner
     assert (runner.plan.weights, runner.plan.dense_above) == ("gguf", 8)
@@ -174,9 +175,14 @@ def test_the_default_serves_its_blocks_and_bf16_panels_past_eight_rows():
     weights = runner.weights  # engine/weights.py
     assert weights.model_for(8) is runner.model and weights.model_for(9) is weights.dense
     calls = {"quantized": [], "dense": []}
-    quantized, dense = runner.decode_step, runner.dense_decode_step
-    runner.decode_step = lambda ids, *a: calls["quantized"].append(len(ids)) or quantized(ids, *a)
-    runner.dense_decode_step = lambda ids, *a: calls["dense"].append(len(ids)) or dense(ids, *a)
+    model_for = weights.model_for
+
+    def spy(rows):
+        model = model_for(rows)
+        calls["dense" if model is weights.dense else "quantized"].append(rows)
+        return model
+
+    weights.model_for = spy
     prompts = [f"Count to {i}:" for i in range(12)]
     outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=4 + i,
                                                  ignore_eos=True) for i in range(12)])

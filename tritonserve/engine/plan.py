@@ -81,6 +81,8 @@ class DecodePlan:
         cap, follows from them)."""
         shown = asdict(self)
         del shown["max_rows"]
+        if not self.experts:  # a dense model has no experts' path
+            del shown["experts"]
         return shown
 
 
