@@ -1,5 +1,5 @@
 """bench/peer_proxy.py's usage chunk: a stream that sends no usage gets one before [DONE],
-counting the chunks that carried text; a stream with its own usage passes unchanged."""
+counting its token chunks (an empty text too); a stream with its own usage passes unchanged."""
 from __future__ import annotations
 
 import json
@@ -16,15 +16,15 @@ def run(lines: list[bytes]) -> list[bytes]:
     return [out for line in lines for out in counter.feed(line)]
 
 
-def test_a_stream_without_usage_gets_the_count_of_its_text_chunks():
+def test_a_stream_without_usage_gets_the_count_of_its_token_chunks():
     chunks = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]}
-              for t in ("<unused_7>", " a", "b")]
+              for t in ("<unused_7>", " a", "", "b")]  # "": a token ending mid-character
     chunks.append({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
     lines = [line for c in chunks for line in (sse(c), b"\n")] + [sse(b"[DONE]"), b"\n"]
     out = run(lines)
     assert out[:len(lines) - 2] == lines[:-2]
     usage = json.loads(out[-3][len(b"data: "):])
-    assert usage == {"choices": [], "usage": {"completion_tokens": 3}}
+    assert usage == {"choices": [], "usage": {"completion_tokens": 4}}
     assert out[-2:] == lines[-2:]
 
 

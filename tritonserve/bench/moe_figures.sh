@@ -4,11 +4,14 @@
 # 8, random weights) converted by llama.cpp's own convert_hf_to_gguf.py and quantized by its
 # quantizer to Q4_K_M, served by ours and by llama.cpp's server from the same file, side by
 # side in the same run through `tritonserve bench serve` (OpenAI /v1/completions, streaming,
-# random 64-token prompts, EOS ignored), default sampling and greedy, at 1 stream (8 x 64
+# prompts of 64 random words as text: llama_cpp.server takes no token-id prompts; EOS ignored), default sampling and greedy, at 1 stream (8 x 64
 # requests x tokens) and 16 (32 x 64). The floor: the bytes a token reads (the chosen experts,
 # attention, the head: bench/moe_floor.py counts them from the file) at the machine's read rate,
 # measured before and after.
 # llama.cpp's server sends no usage: tritonserve/bench/peer_proxy.py counts its streamed chunks.
+# llama-cpp-python's server runs one request at a time (a new one would interrupt it unless
+# --interrupt_requests False: then they queue); its 16-stream cell is that queue, not the C++
+# llama-server's parallel slots, which llama-cpp-python does not ship.
 # Needs llama-cpp-python[server] in $LLAMA_VENV (docs/peers.md) and llama.cpp's source tree in
 # $LLAMA_CPP (its converter; llama-cpp-python's sdist carries one under vendor/llama.cpp).
 set -euo pipefail
@@ -41,10 +44,10 @@ source tritonserve/bench/cells.sh  # settle, sampling_args
 bench() {  # name port concurrency prompts seed extra...
   local name=$1 port=$2 c=$3 n=$4 seed=$5; shift 5
   $py -m tritonserve.bench serve --base-url "http://127.0.0.1:$port" --endpoint completions \
-    --model moe --tokenizer "$model" --input-len 64 --output-len 64 --num-prompts "$n" \
+    --model moe --input-len 64 --output-len 64 --num-prompts "$n" \
     --max-concurrency "$c" --seed "$seed" --result-json "$out/$name.json" "$@" \
     > "$out/$name.txt" 2>&1
-  grep -E "output tok/s|TPOT" "$out/$name.txt" | head -2 | sed "s/^/$name: /"
+  grep -E "Output token throughput|TPOT" "$out/$name.txt" | sed "s/^/$name: /"
 }
 wait_ready() { until curl -sf "http://127.0.0.1:$1/v1/models" > /dev/null; do sleep 2; done; }
 read_rate() {
@@ -62,7 +65,7 @@ $py -m tritonserve.server --model "$file" --port 8123 --served-model-name moe \
   > "$out/ours.log" 2>&1 &
 pids+=($!)
 $lpy -m llama_cpp.server --model "$file" --port 8200 --n_threads 2 --model_alias moe \
-  --n_ctx 4096 > "$out/llama.log" 2>&1 &
+  --n_ctx 4096 --interrupt_requests False > "$out/llama.log" 2>&1 &
 pids+=($!)
 $py -m tritonserve.bench.peer_proxy --port 8201 --target http://127.0.0.1:8200 \
   > "$out/proxy.log" 2>&1 &

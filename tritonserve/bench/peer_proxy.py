@@ -6,8 +6,9 @@ that server sends no `usage` in a stream, so `vllm bench serve` counts a stream'
 tokenizing its text again, which overcounts wherever the text does not tokenize back to the
 tokens sampled (a padded vocabulary's `<unused_N>` tokens become five tokens each). Before the
 `[DONE]` of a completions stream that carried no usage, the proxy sends one
-`{"choices": [], "usage": {"completion_tokens": N}}`, N being the chunks that carried a
-choice's text (that server streams one token a chunk: a 64-token request streams 64).
+`{"choices": [], "usage": {"completion_tokens": N}}`, N being the choice chunks before the
+finishing one, an empty text included (that server streams one token a chunk: a 64-token
+request streams 64).
 
 python -m tritonserve.bench.peer_proxy --port 8201 --target http://127.0.0.1:8200
 """
@@ -41,8 +42,11 @@ class UsageCounter:
             except ValueError:
                 return [line]
             self.saw_usage = self.saw_usage or bool(data.get("usage"))
+            # a token is a choice chunk before the finishing one, its text "" included (a
+            # token that ends inside a UTF-8 character: 2 of 64 on a padded vocabulary)
             self.chunks += sum(1 for c in data.get("choices") or ()
-                               if c.get("text") or (c.get("delta") or {}).get("content"))
+                               if c.get("finish_reason") is None
+                               and ("text" in c or "content" in (c.get("delta") or {})))
         return [line]
 
 
