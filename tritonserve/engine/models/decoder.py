@@ -18,7 +18,7 @@ from .. import huge_pages
 from ..attention import AttentionBackend, AttentionMetadata
 from . import ops
 from .arch import ModelArch
-from .gguf import fuse_rows
+from .gguf import fuse_expert_rows, fuse_rows
 from .linear import Linear, linear, pack, weight_form
 from .moe import SparseMoE
 from .rope import RopeTables, RotaryEmbedding
@@ -251,7 +251,7 @@ class DecoderForCausalLM(nn.Module):
                 gate, up, down = (tensors.get(f"{p}mlp.experts.{x}.weight")
                                   for x in ("gate_proj", "up_proj", "down_proj"))
                 if gate is not None and up is not None and down is not None:
-                    mlp.load_quantized(gate, up, down)
+                    mlp.load_quantized(fuse_expert_rows(gate, up), down.packed)
                 continue
             use(mlp.gate_up_proj, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"],
                 f"{p}mlp.gate_up_proj.weight")

@@ -325,6 +325,14 @@ def fuse_rows(parts: list[QuantTensor]) -> torch.Tensor | None:
     return torch.cat([p.packed for p in parts], dim=0)
 
 
+def fuse_expert_rows(gate: QuantTensor, up: QuantTensor) -> torch.Tensor | None:
+    """Stacked experts' gate and up blocks [E, ...] -> each expert's gate and up rows in one
+    packed weight (fuse_rows), stacked again; None where an expert's rows do not fuse."""
+    fused = [fuse_rows([QuantTensor(t.type_name, t.kind, t.packed[e], t.shape)
+                        for t in (gate, up)]) for e in range(gate.packed.shape[0])]
+    return None if any(f is None for f in fused) else torch.stack(fused)
+
+
 def types_of(tensors: dict[str, QuantTensor]) -> str:
     """The source types served, with how many tensors each: 'Q4_1 x210, Q8_0 x1', and the
     ones left dense: '; dense (no block form): Q5_K x12'."""

@@ -174,24 +174,18 @@ class SparseMoE(nn.Module):
                 [quant_layout.quantize(w, kind, group) for w in stacked.detach()]).to(
                 stacked.device), requires_grad=False))
 
-    def load_quantized(self, gate, up, down) -> None:
-        """The stacked experts of a GGUF file as their blocks (gguf.py's QuantTensors, packed
-        [E, ...]): each expert's gate and up stacked by rows into one matmul (gguf.fuse_rows:
-        s8hm where their kinds differ); experts whose rows do not fuse stay dense."""
-        from .gguf import QuantTensor, fuse_rows
-
-        def expert(t, e):
-            return QuantTensor(t.type_name, t.kind, t.packed[e], t.shape)
-
-        fused = [fuse_rows([expert(gate, e), expert(up, e)]) for e in range(self.spec.count)]
-        if any(f is None for f in fused):
+    def load_quantized(self, gate_up: torch.Tensor | None, down: torch.Tensor) -> None:
+        """The experts as a GGUF file's blocks, packed and stacked [E, ...]
+        (gguf.fuse_expert_rows: each expert's gate and up rows in one matmul); gate_up None:
+        they do not stack, the dense experts stay (refused where none were loaded)."""
+        if gate_up is None:
             if self.gate_up.is_meta:  # build_model left them for these blocks
                 raise ValueError("the experts' gate and up blocks do not stack into whole "
                                  "panels and no dense experts were loaded")
             return
         device = self.gate.weight.device  # the experts' own may be meta (build_model)
-        self.gate_up = nn.Parameter(torch.stack(fused).to(device), requires_grad=False)
-        self.down = nn.Parameter(down.packed.to(device), requires_grad=False)
+        self.gate_up = nn.Parameter(gate_up.to(device), requires_grad=False)
+        self.down = nn.Parameter(down.to(device), requires_grad=False)
 
     def expert_bytes(self) -> int:
         """The bytes one expert's weights occupy (gate_up and down, as stored)."""
