@@ -114,7 +114,8 @@ def experts_from(config: dict, normalize: bool | None = None) -> Experts:
     step = int(config.get("decoder_sparse_step") or 1)
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
     return Experts(
-        count=int(config.get("num_experts") or config["num_local_experts"]), top_k=int(config["num_experts_per_tok"]),
+        count=int(config.get("num_experts") or config["num_local_experts"]),
+        top_k=int(config["num_experts_per_tok"]),
         intermediate=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
         normalize=bool(config.get("norm_topk_prob", False)) if normalize is None else normalize,
         layers=() if all(layers) else layers)

@@ -9,9 +9,10 @@ the same weights in a batch as alone.
 The experts' weights are stacked, one tensor a projection: gate_up [E, 2I, H] (each expert's
 gate rows, then its up rows) and down [E, H, I], in any form of engine/models/linear.py once
 packed (each expert packed alone, then stacked: a stacked tensor's [e] is that expert's
-packed weight). `moe_experts` (a CustomOp: one implementation a device) runs them: rows grouped by expert across the batch, each
-chosen expert's weights read once a step, none of the others (kernels/cpu/moe.cpp on the CPU,
-kernels/triton/fused_moe.py on CUDA, kernels/reference.py's fused_moe the oracle).
+packed weight). `moe_experts` (a CustomOp: one implementation a device) runs them: rows
+grouped by expert across the batch, each chosen expert's weights read once a step, none of the
+others (kernels/cpu/moe.cpp on the CPU, kernels/triton/fused_moe.py on CUDA, kernels/
+reference.py's fused_moe the oracle).
 
 Checkpoints name experts one tensor each (model.layers.L.mlp.experts.E.gate_proj.weight);
 `split_stacked` also reads them stacked (a GGUF file's ffn_gate_exps, as gguf_convert names
@@ -47,11 +48,11 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool
 
 class MoeExperts(ops.CustomOp):
     """x [T, H], each token's expert ids and routing weights [T, k], the stacked experts
-    gate_up [E, ...] and down [E, ...] (engine/models/moe.py: expert e is [e], in any form of
-    linear.py), inter I -> [T, H], reference.fused_moe's sum. On the CPU the C++ op
-    (kernels/cpu/moe.cpp) groups the rows by expert and reads each chosen expert once; a
-    compiled graph calls it as it is (its fake: kernels/cpu OPS). Without it, and for the
-    forms the Triton kernel does not take, `grouped`."""
+    gate_up [E, ...] and down [E, ...] (expert e is [e], in any form of linear.py), inter I
+    -> [T, H], reference.fused_moe's sum. On the CPU the C++ op (kernels/cpu/moe.cpp) groups
+    the rows by expert and reads each chosen expert once; a compiled graph calls it as it is
+    (its fake: kernels/cpu OPS). Without it, and for the forms the Triton kernel does not
+    take, `grouped_experts`."""
 
     def __call__(self, x, ids, weights, gate_up, down, inter):
         if x.device.type == "cpu":
