@@ -113,7 +113,8 @@ def variants():
                        _moe_gemm_kernel,
                        {"a_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "w8_ptr": "*i8",
                         "w16_ptr": "*fp16", "w32_ptr": "*i32",
-                        "out_ptr": "*fp32" if weighted else f"*{dtype}", "rows_ptr": "*i64", "tile_expert_ptr": "*i64", "weights_ptr": "*fp32"},
+                        "out_ptr": "*fp32" if weighted else f"*{dtype}", "rows_ptr": "*i64",
+                        "tile_expert_ptr": "*i64", "weights_ptr": "*fp32"},
                        {}, dict(**args, A_DIVISOR=divisor, MUL_WEIGHT=weighted,
                                 BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32, FP32=False,
                                 PRECISION="tf32"), {})
