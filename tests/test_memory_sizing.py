@@ -99,10 +99,14 @@ def test_cpu_cache_is_sized_from_available_memory(tiny_model, monkeypatch):
     # and never more than CPU_MAX_AUTO_BYTES
     monkeypatch.setattr(memory, "CPU_MAX_AUTO_BYTES", 4 << 20)
     assert LLM(tiny_model).engine.kv_cache.num_blocks == (4 << 20) // per_block
-    monkeypatch.setattr(memory, "available_memory_bytes", lambda: weights // 2)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: weights)
     with pytest.raises(ValueError, match="no memory is left for the KV cache"):
         LLM(tiny_model)
     assert LLM(tiny_model, cache_bytes=per_block * 9).engine.kv_cache.num_blocks == 9
+    # weights larger than the memory: refused before anything loads, the sizes named
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: weights // 2)
+    with pytest.raises(ValueError, match="the weights take .* GiB of memory are available"):
+        LLM(tiny_model, cache_bytes=per_block * 9)
 
 
 def test_cuda_budget_follows_vllms_rule():
