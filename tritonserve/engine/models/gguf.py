@@ -231,13 +231,15 @@ def read_quantized(path: str | Path, num_heads: int, num_kv_heads: int, strict: 
     return Served(out, skipped)
 
 
-def experts_served(path: str | Path) -> bool:
+def experts_served(path: str | Path, reader=None) -> bool:
     """Every stacked expert tensor of the file is in a SERVED type, with rows that stack into
     whole panels (SparseMoE.load_quantized takes them all as blocks): the dense experts need
-    not be loaded at all. False for a file without experts. Reads the header only."""
+    not be loaded at all. False for a file without experts. Reads the header only (reader:
+    the file's gguf.GGUFReader where the caller has one open)."""
     import gguf
 
-    experts = [t for t in gguf.GGUFReader(str(path)).tensors if t.name.endswith("_exps.weight")]
+    reader = reader or gguf.GGUFReader(str(path))
+    experts = [t for t in reader.tensors if t.name.endswith("_exps.weight")]
     return bool(experts) and all(t.tensor_type.name in SERVED
                                  and int(t.shape[1]) % quant_layout.COLS == 0 for t in experts)
 

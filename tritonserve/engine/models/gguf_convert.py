@@ -168,7 +168,7 @@ def convert(gguf_file: Path, work: Path) -> None:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     # experts served as blocks are left out (a 30B-A3B file's would be 120 GB in fp32); a
     # dense load dequantizes them from the file itself (gguf.dense_experts)
-    blocks_only = experts_served(gguf_file)
+    blocks_only = experts_served(gguf_file, reader)
     state = {}
     for tensor in reader.tensors:
         if blocks_only and tensor.name.endswith("_exps.weight"):
