@@ -4,10 +4,11 @@ from .errors import EngineDeadError, InvalidRequestError
 from .llm import LLM, build_config
 from .llm_engine import LLMEngine
 from .outputs import (Completion, FinishReason, GenerationStep, RequestOutput, RequestTiming,
-                      TokenOutput, TopLogprob)
+                      PromptLogprob, TokenOutput, TopLogprob)
 from .sampling_params import SamplingParams
 
 __all__ = ["CacheConfig", "EngineConfig", "SchedulerConfig", "InvalidRequestError",
            "EngineDeadError", "LLM",
            "build_config", "LLMEngine", "Completion", "FinishReason", "GenerationStep",
-           "RequestOutput", "RequestTiming", "TokenOutput", "TopLogprob", "SamplingParams"]
+           "RequestOutput", "RequestTiming", "PromptLogprob", "TokenOutput", "TopLogprob",
+           "SamplingParams"]

@@ -93,8 +93,9 @@ class KVCacheManager:
     # ---- prefix cache --------------------------------------------------------------------
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Leading blocks of the request's tokens already in the cache. The last token is
-        never served from the cache: its logits are needed."""
-        if not self.enable_prefix_caching:
+        never served from the cache: its logits are needed; nor is any token of a prompt
+        whose logprobs are asked for (SamplingParams.prompt_logprobs)."""
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []

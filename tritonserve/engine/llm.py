@@ -67,19 +67,23 @@ class LLM:
         position = {request_id: i for i, request_id in enumerate(ids)}
         tokens: dict[str, list[TokenOutput]] = {i: [] for i in ids}
         results: dict[str, RequestOutput] = {}
+        scored: dict[str, tuple] = {}  # prompt logprobs, by request
         while len(results) < len(ids):
             for step in engine.step():
+                if step.prompt_logprobs is not None:
+                    scored[step.request_id] = step.prompt_logprobs
                 if step.token is not None:
                     tokens[step.request_id].append(step.token)
                 if step.completion is not None:
                     i = position[step.request_id]
                     results[step.request_id] = self._output(
-                        step, tokens[step.request_id], prompts[i], prompt_ids[i], params[i])
+                        step, tokens[step.request_id], prompts[i], prompt_ids[i], params[i],
+                        scored.get(step.request_id))
         return [results[i] for i in ids]
 
     @staticmethod
     def _output(step, tokens: list[TokenOutput], prompt, prompt_ids: list[int],
-                params: SamplingParams) -> RequestOutput:
+                params: SamplingParams, prompt_logprobs=None) -> RequestOutput:
         done = step.completion
         return RequestOutput(
             request_id=step.request_id, prompt=prompt if isinstance(prompt, str) else None,
@@ -88,4 +92,4 @@ class LLM:
             text="".join(t.text for t in tokens) + done.tail_text,
             finish_reason=done.reason,
             logprobs=tokens if params.logprobs is not None else None,
-            timing=done.timing, error=done.error)
+            timing=done.timing, error=done.error, prompt_logprobs=prompt_logprobs)

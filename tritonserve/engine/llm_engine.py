@@ -9,6 +9,7 @@ produced so that no finished request is lost.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -225,11 +226,18 @@ class LLMEngine:
                 else:
                     request.num_computed_tokens += s.num_new_tokens
                     self.kv_cache.cache_full_blocks(request)
-                for token in tokens:  # a stop or max_tokens cuts an accepted run as usual
-                    step = self._on_token(request, token, now)
-                    steps.append(step)
+                first = len(steps)
+                if request.params.max_tokens == 0 and s.samples:  # a prompt scored, no draw
+                    request.first_token_time = now
+                    steps.append(self._finish(request, FinishReason.LENGTH, now))
+                for token in tokens if len(steps) == first else ():
+                    step = self._on_token(request, token, now)  # a stop or max_tokens cuts
+                    steps.append(step)  # an accepted run as usual
                     if step.finished:
                         break
+                if len(steps) > first and request.params.prompt_logprobs is not None \
+                        and not request.prompt_logprobs_sent:
+                    steps[first] = self._with_prompt_logprobs(request, steps[first])
                 if s.proposals and request.request_id in self._requests:
                     self.kv_cache.cache_full_blocks(request)  # the accepted tokens are in
             except Exception as exc:  # noqa: BLE001 - this request alone fails
@@ -297,6 +305,13 @@ class LLMEngine:
             return GenerationStep(request.request_id, token, None)
         step = self._finish(request, reason, now, matched=matched)
         return GenerationStep(request.request_id, token, step.completion)
+
+    @staticmethod
+    def _with_prompt_logprobs(request: Request, step: GenerationStep) -> GenerationStep:
+        """The request's first step after its prompt: it carries the prompt's logprobs."""
+        request.prompt_logprobs_sent = True
+        entries = (None, *request.prompt_logprobs) if request.num_prompt_tokens else ()
+        return dataclasses.replace(step, prompt_logprobs=entries)
 
     @staticmethod
     def _drain(request: Request) -> StopCheck:

@@ -21,6 +21,7 @@ from .models.compressed import read_compressed, scheme_of
 from .models.gguf import dense_experts, experts_served
 from .parallel import Shard
 from .plan import resolve_plan
+from .prompt_logprobs import PromptRows, rows_of, score
 from .request import Request
 from .sampler import SampledToken, Sampler
 from .scheduler import ScheduledRequest, SchedulerOutput
@@ -47,6 +48,8 @@ class ModelInput:
     # speculating requests: (request, proposals, the first of its K + 1 rows in
     # sample_indices after the S sampled ones)
     spec: tuple[tuple[Request, tuple[int, ...], int], ...] = ()
+    # rows whose logits score prompt tokens (SamplingParams.prompt_logprobs)
+    prompt_rows: tuple[PromptRows, ...] = ()
 
 
 class ModelRunner:
@@ -225,7 +228,12 @@ class ModelRunner:
 
     def sample(self, model_input: ModelInput, hidden: torch.Tensor,
                masks=None) -> dict[str, list[SampledToken]]:
-        """run's logits and draw, after the forward: this rank's alone."""
+        """run's logits and draw, after the forward: this rank's alone. Prompt logprobs are
+        appended to their requests (engine/prompt_logprobs.py)."""
+        if model_input.prompt_rows:
+            with _phase("logits"):
+                score(hidden, model_input.prompt_rows,
+                      lambda rows: self.weights.model_for(rows.shape[0]).compute_logits(rows))
         if not model_input.sample_requests and not model_input.spec:
             return {}
         with _phase("logits"):
@@ -267,12 +275,15 @@ class ModelRunner:
         sample_requests: list[Request] = []
         spec_rows: list[int] = []
         spec: list[tuple[Request, tuple[int, ...], int]] = []
+        prompt_rows: list[PromptRows] = []
         decode_rows: list[ScheduledRequest] = []  # one per decode row (a table and a length)
         decode_lens: list[int] = []
         for i, s in enumerate(decodes + prefills):
             r = s.request
             end = s.start + s.num_new_tokens
             ids = r.token_ids[s.start:end - len(s.proposals)] + list(s.proposals)
+            if not s.proposals and (rows := rows_of(r, s.start, end, len(input_ids))):
+                prompt_rows.append(rows)
             input_ids.extend(ids)
             positions.extend(range(s.start, end))
             blocks = r.block_ids
@@ -306,7 +317,7 @@ class ModelRunner:
         return ModelInput(self._tensor(input_ids, torch.int64),
                           self._tensor(positions, torch.int64), meta,
                           self._tensor(sample_indices, torch.int64), sample_requests,
-                          tuple(spec))
+                          tuple(spec), tuple(prompt_rows))
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -31,6 +31,18 @@ class TokenOutput:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token's log-probability under the model given the tokens before it (the
+    prompt's first token has none), its rank among the vocabulary (1 = the most likely) and
+    the top-N alternatives (SamplingParams.prompt_logprobs)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestTiming:
     """time.perf_counter() stamps; first_token is the finish time when no token came."""
 
@@ -83,6 +95,9 @@ class GenerationStep:
     request_id: str
     token: TokenOutput | None
     completion: Completion | None
+    # SamplingParams.prompt_logprobs: on the request's first step after its prompt is
+    # computed, one entry per prompt token (None for the first)
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -102,3 +117,4 @@ class RequestOutput:
     logprobs: list[TokenOutput] | None
     timing: RequestTiming
     error: str | None = None  # why, when finish_reason is ERROR
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None

@@ -41,6 +41,10 @@ class Request:
     reasoning_end: object | None = None  # its engine/reasoning_end.py TagFinder, meanwhile
     # engine/speculative.py: a running mean of the share of its proposals accepted
     spec_acceptance: float = 1.0
+    # SamplingParams.prompt_logprobs: the entries of prompt tokens 1.. computed so far (the
+    # runner appends them; a recompute after preemption skips those), and whether they left
+    prompt_logprobs: list = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def waits_for_sibling(self) -> bool:

@@ -55,6 +55,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per output token, 0 = sampled token only
+    # each prompt token's logprob and top-N alternatives (vLLM's field; completions' echo with
+    # logprobs): the prompt is computed in full, never served from the prefix cache
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
@@ -92,8 +95,12 @@ class SamplingParams:
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.seed is not None and not 0 <= _check_int("seed", self.seed) < SEED_LIMIT:
             _fail("seed", "an integer in [0, 2**64)", self.seed)
-        if _check_int("max_tokens", self.max_tokens) < 1:
-            _fail("max_tokens", ">= 1", self.max_tokens)
+        if self.prompt_logprobs is not None:
+            if not 0 <= _check_int("prompt_logprobs", self.prompt_logprobs) <= MAX_LOGPROBS:
+                _fail("prompt_logprobs", f"in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
+        if _check_int("max_tokens", self.max_tokens) < (0 if self.scores_only_allowed else 1):
+            _fail("max_tokens", ">= 1 (0 only to score a prompt: with prompt_logprobs)",
+                  self.max_tokens)
         if _check_int("min_tokens", self.min_tokens) < 0 or self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -121,6 +128,12 @@ class SamplingParams:
         if not isinstance(self.structured_after, str) or len(self.structured_after) > 64:
             _fail("structured_after", "a string of at most 64 characters",
                   self.structured_after)
+
+    @property
+    def scores_only_allowed(self) -> bool:
+        """max_tokens 0: the request ends once its prompt is scored (lm-eval's
+        loglikelihood requests)."""
+        return self.prompt_logprobs is not None
 
     @property
     def greedy(self) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from tritonserve.engine import Completion, TokenOutput
+from tritonserve.engine import Completion, PromptLogprob, TokenOutput
 
 from .streams import RequestStream
 from .common import STATE, ApiError, failure_of, failure_response, open_sse, send_sse
@@ -24,6 +24,7 @@ class Choice:
     index: int
     tokens: list[TokenOutput] = field(default_factory=list)
     completion: Completion | None = None
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
 
     @property
     def text(self) -> str:
@@ -32,11 +33,15 @@ class Choice:
 
 
 class Renderer:
-    """A dialect's payloads. The stream sends start(), then token() / finish() as items come
-    (any interleaving of choices), failure() at most once, and end() last; a collected answer
-    is response() once every choice has finished."""
+    """A dialect's payloads. The stream sends start(), then prompt() / token() / finish() as
+    items come (any interleaving of choices; a choice's prompt() first, when it asked for
+    prompt logprobs), failure() at most once, and end() last; a collected answer is
+    response() once every choice has finished."""
 
     def start(self) -> list[Payload]:
+        return []
+
+    def prompt(self, index: int, entries: tuple[PromptLogprob | None, ...]) -> list[Payload]:
         return []
 
     def token(self, index: int, token: TokenOutput) -> list[Payload]:
@@ -82,6 +87,9 @@ async def _stream(request, request_id, items, renderer) -> web.StreamResponse:
                 await send_sse(response, payload)
             failed = True
             break
+        if item.prompt_logprobs is not None:
+            for payload in renderer.prompt(index, item.prompt_logprobs):
+                await send_sse(response, payload)
         if item.token is not None:
             for payload in renderer.token(index, item.token):
                 await send_sse(response, payload)
@@ -104,6 +112,8 @@ async def _collect(request, request_id, items, renderer) -> web.Response:
         if failure is not None:
             metrics.observe_failure(failure.code)
             return failure_response(failure, request_id)
+        if item.prompt_logprobs is not None:
+            choices[index].prompt_logprobs = item.prompt_logprobs
         if item.token is not None:
             choices[index].tokens.append(item.token)
         if item.completion is not None:

@@ -24,6 +24,7 @@ from .schema import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenA
 from .structured import structured_output
 from .chat_output import ChatOutput
 from .chat_prepare import prepare_chat
+from .logprobs_format import chat_logprobs, completion_logprobs, prompt_logprobs
 from .tools import ToolPlan
 
 OPENAI_REASON = {FinishReason.EOS: "stop", FinishReason.STOP: "stop",
@@ -126,31 +127,48 @@ class OpenAIRenderer(Renderer):
 
 
 class CompletionRenderer(OpenAIRenderer):
+    """echo puts the prompt's text first; with logprobs (or prompt_logprobs) the prompt's
+    entries come from the engine on the choice's first step, so a stream sends the echo then
+    (prompt()) instead of at once (start())."""
+
     object = "text_completion"
 
     def __init__(self, state, request_id, body, echo_texts: list[str] | None,
-                 prompt_lens: list[int]) -> None:
-        super().__init__(state, request_id, body, body.logprobs is not None, prompt_lens)
+                 prompt_ids: list[list[int]]) -> None:
+        super().__init__(state, request_id, body, body.logprobs is not None,
+                         [len(p) for p in prompt_ids])
         self.echo_texts = echo_texts  # per prompt, when echo is set
+        self.prompt_ids = prompt_ids
+        self.echo_scores = bool(echo_texts) and body.logprobs is not None
+        self.vllm_scores = body.prompt_logprobs is not None
 
-    def _logprobs(self, tokens) -> dict | None:
-        if not self.want_logprobs or not tokens:
+    def _logprobs(self, tokens, index: int = 0, prompt=None) -> dict | None:
+        if not self.want_logprobs or not (tokens or prompt):
             return None
-        piece = self.prompts.decode_token
-        return {"tokens": [piece(t.token_id) for t in tokens],
-                "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{piece(a.token_id): a.logprob for a in t.top_logprobs or ()}
-                                 for t in tokens]}
+        prompt_ids = self.prompt_ids[index // self.n] if prompt else ()
+        return completion_logprobs(self.prompts.decode_token, tokens, prompt_ids, prompt or ())
 
-    def _choice(self, index: int, text: str, tokens, finish: str | None) -> dict:
-        return {"index": index, "text": text, "logprobs": self._logprobs(tokens),
-                "finish_reason": finish}
+    def _choice(self, index: int, text: str, tokens, finish: str | None,
+                prompt=None) -> dict:
+        choice = {"index": index, "text": text,
+                  "logprobs": self._logprobs(tokens, index, prompt if self.echo_scores
+                                             else None),
+                  "finish_reason": finish}
+        if self.vllm_scores and prompt is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(self.prompts.decode_token, prompt)
+        return choice
 
     def start(self) -> list[Payload]:
-        if not self.echo_texts:
+        if not self.echo_texts or self.echo_scores:
             return []
         return [self.chunk(self._choice(i, self.echo_texts[i // self.n], [], None))
                 for i in range(len(self.echo_texts) * self.n)]
+
+    def prompt(self, index, entries) -> list[Payload]:
+        echo = self.echo_texts[index // self.n] if self.echo_scores else ""
+        if not echo and not self.vllm_scores:
+            return []
+        return [self.chunk(self._choice(index, echo, [], None, entries))]
 
     def token_chunks(self, index, token) -> list[Payload]:
         return [self.chunk(self._choice(index, token.text, [token], None))]
@@ -162,7 +180,7 @@ class CompletionRenderer(OpenAIRenderer):
     def full_choice(self, choice: Choice) -> dict:
         echo = self.echo_texts[choice.index // self.n] if self.echo_texts else ""
         return self._choice(choice.index, echo + choice.text, choice.tokens,
-                            OPENAI_REASON[choice.completion.reason])
+                            OPENAI_REASON[choice.completion.reason], choice.prompt_logprobs)
 
 
 class ChatRenderer(OpenAIRenderer):
@@ -187,11 +205,7 @@ class ChatRenderer(OpenAIRenderer):
     def _logprobs(self, tokens) -> dict | None:
         if not self.want_logprobs or not tokens:
             return None
-        piece = self.prompts.decode_token
-        return {"content": [{"token": piece(t.token_id), "logprob": t.logprob,
-                             "top_logprobs": [{"token": piece(a.token_id), "logprob": a.logprob}
-                                              for a in t.top_logprobs or ()]}
-                            for t in tokens]}
+        return chat_logprobs(self.prompts.decode_token, tokens)
 
     def _role(self, index: int, delta: dict) -> dict:
         if index not in self._started:  # the first chunk of each choice names the role
@@ -214,6 +228,13 @@ class ChatRenderer(OpenAIRenderer):
             finish = "tool_calls"
         return [self.chunk({"index": index, "delta": self._role(index, delta),
                             "logprobs": None, "finish_reason": finish})]
+
+    def response(self, choices: list[Choice]) -> dict:
+        body = super().response(choices)
+        if choices and choices[0].prompt_logprobs is not None:  # vLLM's, on the response
+            body["prompt_logprobs"] = prompt_logprobs(self.prompts.decode_token,
+                                                      choices[0].prompt_logprobs)
+        return body
 
     def full_choice(self, choice: Choice) -> dict:
         output = self._output()
@@ -244,9 +265,6 @@ async def _opened(request: web.Request, schema):
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state, arrival, body = await _opened(request, CompletionRequest)
-    if body.echo and body.logprobs is not None:
-        raise ApiError(400, "unsupported_parameter", "echo with logprobs (prompt logprobs) is "
-                       "not supported yet", "echo")
     prompts = _prompt_list(body.prompt)
     if len(prompts) * body.n > MAX_CHOICES:
         raise ApiError(400, "invalid_request", f"prompts x n must be at most {MAX_CHOICES}, got "
@@ -264,10 +282,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     echo = None
     if body.echo:
         echo = [p if isinstance(p, str) else await tokenizer.decode(p) for p in prompts]
-    params = sampling_params(body, body.logprobs, structured=structured_output(body))
+    scored = body  # echo with logprobs scores the prompt too (lm-eval's loglikelihoods)
+    if body.echo and body.logprobs is not None:
+        scored = body.model_copy(update={
+            "prompt_logprobs": max(body.logprobs, body.prompt_logprobs or 0)})
+    params = sampling_params(scored, body.logprobs, structured=structured_output(body))
     request_id = _start(request, "cmpl")
     items = await state.engine.submit(request_id, ids, params, arrival, body.n)
-    renderer = CompletionRenderer(state, request_id, body, echo, [len(p) for p in ids])
+    renderer = CompletionRenderer(state, request_id, body, echo, ids)
     return await respond(request, request_id, items, renderer, body.stream)
 
 

@@ -84,6 +84,7 @@ class SamplingFields(Strict):
     include_stop_str_in_output: bool | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top-N
 
 
 class GenerateRequest(SamplingFields):
