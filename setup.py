@@ -43,6 +43,9 @@ setup(
                  # (tests/test_compressed_checkpoint.py); the engine reads them without it
                  "compressed-tensors>=0.20",
                  # tests/test_packaging.py builds the wheel offline (--no-build-isolation)
-                 "setuptools>=70.1"],
+                 "setuptools>=70.1",
+                 # the clients of the Messages API, of loglikelihood evals and of N servers
+                 # (tests/test_anthropic_messages.py, tests/test_lm_eval.py, tests/test_router.py)
+                 "anthropic>=0.60", "lm-eval>=0.4.9", "sglang-router>=0.2"],
     },
 )

@@ -44,11 +44,13 @@ class ServerThread:
         self._thread.join(10)
 
 
-def request(port: int, method: str, path: str, body=None, timeout: float = 120):
+def request(port: int, method: str, path: str, body=None, timeout: float = 120,
+            headers: dict | None = None):
     """-> (status, headers dict, raw body bytes)"""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    conn.request(method, path, body=data,
+                 headers={"Content-Type": "application/json", **(headers or {})})
     response = conn.getresponse()
     raw = response.read()
     headers = {k.lower(): v for k, v in response.getheaders()}

@@ -15,6 +15,7 @@ from .streams import EngineUnavailableError, OverloadedError
 from .chat_template import ChatTemplate
 from .common import STATE, ApiError, ServerState, json_error
 from .config import ServerConfig
+from .messages_api import count_tokens, error_dialect, messages
 from .metrics import Metrics
 from .operators import api_key, cors
 from .routes_native import generate
@@ -93,8 +94,9 @@ def build_app(engine: LLMEngine | EngineDoor, config: ServerConfig = ServerConfi
     before they are parsed."""
     async_engine = engine if isinstance(engine, EngineDoor) else AsyncEngine(
         engine, config.max_waiting, config.served_model_name)
-    # outermost first: CORS headers on every answer (401s too), preflights before the key
-    app = web.Application(middlewares=[cors, json_errors, api_key],
+    # outermost first: CORS headers on every answer (401s too), preflights before the key;
+    # the Messages routes' errors in Anthropic's shape
+    app = web.Application(middlewares=[cors, error_dialect, json_errors, api_key],
                           client_max_size=config.max_body_bytes)
     template = ChatTemplate.load(config.chat_template, async_engine.prompts.template_source,
                                  config.chat_template_timeout, config.reasoning_parser,
@@ -124,6 +126,8 @@ def build_app(engine: LLMEngine | EngineDoor, config: ServerConfig = ServerConfi
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)

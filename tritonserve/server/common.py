@@ -187,6 +187,17 @@ async def open_sse(request: web.Request, request_id: str) -> web.StreamResponse:
     return response
 
 
-async def send_sse(response: web.StreamResponse, payload: dict | str) -> None:
+@dataclass(frozen=True)
+class NamedEvent:
+    """An SSE frame with an `event:` line (the Messages and Responses streams name theirs)."""
+
+    event: str
+    data: dict
+
+
+async def send_sse(response: web.StreamResponse, payload: dict | str | NamedEvent) -> None:
+    head = ""
+    if isinstance(payload, NamedEvent):
+        head, payload = f"event: {payload.event}\n", payload.data
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    await response.write(f"data: {data}\n\n".encode())
+    await response.write(f"{head}data: {data}\n\n".encode())

@@ -11,10 +11,12 @@ from aiohttp import web
 from tritonserve.engine import Completion, PromptLogprob, TokenOutput
 
 from .streams import RequestStream
-from .common import STATE, ApiError, failure_of, failure_response, open_sse, send_sse
+from .common import (STATE, ApiError, NamedEvent, failure_of, failure_response, open_sse,
+                     send_sse)
 from .schema import StreamErrorEvent
 
-Payload = dict | str  # a JSON object, or a bare SSE data string such as "[DONE]"
+# a JSON object, a bare SSE data string such as "[DONE]", or a frame with an event name
+Payload = dict | str | NamedEvent
 
 
 @dataclass

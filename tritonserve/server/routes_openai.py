@@ -42,8 +42,8 @@ def check_model(state, model: str | None) -> None:
                        "model")
 
 
-def _check_supported(body: OpenAIFields) -> None:
-    for name in UNSUPPORTED:
+def _check_supported(body, unsupported: tuple[str, ...]) -> None:
+    for name in unsupported:
         if getattr(body, name, None) not in (None, False):
             raise ApiError(400, "unsupported_parameter",
                            f"{name} is not supported by this server yet", name)
@@ -253,18 +253,18 @@ def _prompt_list(prompt) -> list:
     return list(prompt)
 
 
-async def _opened(request: web.Request, schema):
-    """A route's first steps: the arrival time, the body parsed and checked -> (state,
-    arrival, body)."""
+async def opened(request: web.Request, schema, unsupported: tuple[str, ...] = UNSUPPORTED):
+    """A route's first steps: the arrival time, the body parsed and checked (its model, the
+    documented fields this server does not serve) -> (state, arrival, body)."""
     state, arrival = request.app[STATE], now()
     body = await parse_body(request, schema)
     check_model(state, body.model)
-    _check_supported(body)
+    _check_supported(body, unsupported)
     return state, arrival, body
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state, arrival, body = await _opened(request, CompletionRequest)
+    state, arrival, body = await opened(request, CompletionRequest)
     prompts = _prompt_list(body.prompt)
     if len(prompts) * body.n > MAX_CHOICES:
         raise ApiError(400, "invalid_request", f"prompts x n must be at most {MAX_CHOICES}, got "
@@ -287,16 +287,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
         scored = body.model_copy(update={
             "prompt_logprobs": max(body.logprobs, body.prompt_logprobs or 0)})
     params = sampling_params(scored, body.logprobs, structured=structured_output(body))
-    request_id = _start(request, "cmpl")
+    request_id = started(request, "cmpl")
     items = await state.engine.submit(request_id, ids, params, arrival, body.n)
     renderer = CompletionRenderer(state, request_id, body, echo, ids)
     return await respond(request, request_id, items, renderer, body.stream)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state, arrival, body = await _opened(request, ChatCompletionRequest)
+    state, arrival, body = await opened(request, ChatCompletionRequest)
     chat = await prepare_chat(state, body)
-    request_id = _start(request, "chatcmpl")
+    request_id = started(request, "chatcmpl")
     items = await state.engine.submit(request_id, [chat.prompt_ids], chat.params, arrival,
                                       body.n)
     renderer = ChatRenderer(state, request_id, body, chat.plan, len(chat.prompt_ids),
@@ -304,7 +304,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await respond(request, request_id, items, renderer, body.stream)
 
 
-def _start(request: web.Request, prefix: str) -> str:
+def started(request: web.Request, prefix: str) -> str:
+    """The request's id (the caller's X-Request-Id, else a new one), unless the server
+    drains."""
     if request.app[STATE].draining:
         raise ApiError(503, "shutting_down", "the server is shutting down")
     return caller_request_id(request, prefix)
