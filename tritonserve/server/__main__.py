@@ -141,6 +141,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    choices=("auto", *TOOL_PARSERS),
                    help="the format tool calls are parsed from with tool_choice auto; auto: "
                    "the chat template's (hermes when it says nothing)")
+    p.add_argument("--responses-store", type=int, default=v.responses_store,
+                   help="responses kept in memory for GET /v1/responses/{id} and "
+                   "previous_response_id (the least recently used dropped first)")
     p.add_argument("--served-model-name", nargs="+", type=str, default=v.served_model_name,
                    help="the names requests may use (the first is reported); default the "
                    "model folder's name (its path is taken too, never shown)")

@@ -17,6 +17,7 @@ from .common import STATE, ApiError, ServerState, json_error
 from .config import ServerConfig
 from .messages_api import count_tokens, error_dialect, messages
 from .metrics import Metrics
+from .responses_api import add_routes as add_responses_routes
 from .operators import api_key, cors
 from .routes_native import generate
 from .routes_openai import chat_completions, completions, models
@@ -128,6 +129,7 @@ def build_app(engine: LLMEngine | EngineDoor, config: ServerConfig = ServerConfi
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    add_responses_routes(app, config.responses_store)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)

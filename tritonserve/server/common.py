@@ -94,6 +94,11 @@ async def parse_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
             _check_strings(data, "")
         except InvalidRequestError as exc:
             raise ApiError(400, "invalid_request", str(exc), exc.param) from None
+    return validate_as(model, data)
+
+
+def validate_as(model: type[BaseModel], data: dict) -> BaseModel:
+    """data as `model`, or a 400 naming the first field that does not fit."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:

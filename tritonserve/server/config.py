@@ -30,9 +30,12 @@ class ServerConfig:
     # (server/router.py's POLICIES)
     data_parallel_size: int = 1
     data_parallel_routing: str = "prefix"
+    # server/responses_api.py: Responses kept in memory for GET and previous_response_id
+    # (least recently used dropped first)
+    responses_store: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_waiting", "max_body_bytes", "data_parallel_size"):
+        for name in ("max_waiting", "max_body_bytes", "data_parallel_size", "responses_store"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:

@@ -26,7 +26,7 @@ from tritonserve.engine import FinishReason
 from .blocks import REASONING, TEXT, Block, BlockEvent, BlockStream, blocks_of
 from .chat_output import ChatOutput
 from .chat_prepare import PreparedChat, prepare_chat
-from .common import NamedEvent, ApiError, parse_body
+from .common import ApiError, NamedEvent, validate_as
 from .driver import Choice, Payload, Renderer, respond
 from .routes_openai import opened, started
 from .schema import ChatCompletionRequest, Strict
@@ -182,7 +182,7 @@ def _thinking(body: MessagesRequest) -> dict | None:
 
 def as_chat(body: MessagesRequest) -> ChatCompletionRequest:
     tools, tool_choice, parallel = _tools(body)
-    return ChatCompletionRequest.model_validate({
+    return validate_as(ChatCompletionRequest, {
         "model": body.model, "messages": _chat_messages(body),
         "max_completion_tokens": body.max_tokens, "stop": body.stop_sequences,
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
