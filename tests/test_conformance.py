@@ -35,7 +35,7 @@ def own_server(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("api", ["native", "openai"])
+@pytest.mark.parametrize("api", ["native", "openai", "agents"])
 def test_own_server_passes(own_server, api):
     results = asyncio.run(run_checks(own_server.url, api, api_key=KEY))
     failed = [(r.name, r.evidence) for r in results if r.status == "fail"]
@@ -122,3 +122,71 @@ def test_missing_done_sentinel_fails_openai_framing_only_on_that_route():
     assert "openai_completions_framing" in failed
     assert "[DONE]" in failed["openai_completions_framing"]
     assert failures("no_done_sentinel", "native") == {}
+
+
+# ---- the Responses and Messages checks against replays of our own answers, broken ---------
+def _recorded(own_server) -> dict:
+    """(path, streamed) -> the raw body our server answers with."""
+    from tests.server_util import request
+    bodies = {"/v1/responses": {"input": "Say hello.", "max_output_tokens": 8,
+                                "temperature": 0},
+              "/v1/messages": {"max_tokens": 8, "temperature": 0,
+                               "messages": [{"role": "user", "content": "Say hello."}]}}
+    out = {}
+    for path, body in bodies.items():
+        for stream in (False, True):
+            status, _, raw = request(own_server.port, "POST", path, {**body, "stream": stream},
+                                     headers={"Authorization": f"Bearer {KEY}"})
+            assert status == 200, raw
+            out[path, stream] = raw
+    return out
+
+
+def _second_terminal(raw: bytes) -> bytes:
+    frames = raw.split(b"\n\n")
+    terminal = next(f for f in frames if f.startswith(b"event: response.completed")
+                    or f.startswith(b"event: response.incomplete"))
+    return raw + terminal + b"\n\n"
+
+
+def _no_message_stop(raw: bytes) -> bytes:
+    return b"\n\n".join(f for f in raw.split(b"\n\n") if b"message_stop" not in f)
+
+
+AGENT_FAULTS = [(_second_terminal, "/v1/responses", "responses_stream_events", "terminal"),
+                (_no_message_stop, "/v1/messages", "messages_stream_events", "message_stop")]
+
+
+@pytest.mark.parametrize("mutate,path,check,evidence", AGENT_FAULTS,
+                         ids=[f[2] for f in AGENT_FAULTS])
+def test_broken_agent_streams_fail_the_right_check(own_server, mutate, path, check, evidence):
+    recorded = _recorded(own_server)
+
+    async def replay(request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        if not isinstance(body.get("max_tokens", 8), int):  # the error-shape probe
+            return web.json_response({"error": {"message": "bad"}}, status=400)
+        raw = recorded[request.path, bool(body.get("stream"))]
+        if body.get("stream") and request.path == path:
+            raw = mutate(raw)
+        return web.Response(body=raw, content_type="text/event-stream"
+                            if body.get("stream") else "application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", replay)
+    app.router.add_post("/v1/messages", replay)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        results = loop.run_until_complete(run_checks(url, "agents"))
+    finally:
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+    failed = {r.name: r.evidence for r in results if r.status == "fail"}
+    assert check in failed and evidence in failed[check], failed
+    # the replay's error body is OpenAI's shape, not Anthropic's: that check fails too
+    assert set(failed) == {check, "messages_error_shape"}, failed

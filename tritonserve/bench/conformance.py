@@ -1,7 +1,7 @@
 """Protocol-conformance suite: does a live server speak the explicit token/done/error
 protocol (and the OpenAI streaming dialect) correctly, under the cases that broke others?
 
-tritonserve bench conformance --base-url URL [--api native|openai] [--model NAME]
+tritonserve bench conformance --base-url URL [--api native|openai|agents] [--model NAME]
     [--only CHECK ...] [--json PATH] [--api-key KEY]
 
 One line per check (PASS / FAIL / SKIP, with the evidence); exit 0 only when nothing failed.
@@ -16,12 +16,15 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-from . import checks_native, checks_openai, checks_openai_agents, checks_openai_features
+from . import (checks_agent_apis, checks_native, checks_openai, checks_openai_agents,
+               checks_openai_features)
 from .checks_native import CheckFailed, Skipped
 
 SUITES = {"native": checks_native.CHECKS,
           "openai": (checks_openai.CHECKS + checks_openai_features.CHECKS
-                     + checks_openai_agents.CHECKS)}
+                     + checks_openai_agents.CHECKS),
+          # OpenAI's Responses and Anthropic's Messages streams (what agents read)
+          "agents": checks_agent_apis.CHECKS}
 
 
 @dataclass

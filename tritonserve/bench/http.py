@@ -23,6 +23,21 @@ class Reply:
                     out.append(line[5:].strip())
         return out
 
+    @property
+    def events(self) -> list[tuple[str | None, str]]:
+        """(the frame's `event:` name or None, its data) per SSE frame."""
+        out = []
+        for frame in self.raw.decode(errors="replace").split("\n\n"):
+            name, data = None, []
+            for line in frame.split("\n"):
+                if line.startswith("event:"):
+                    name = line[6:].strip()
+                elif line.startswith("data:"):
+                    data.append(line[5:].strip())
+            if data:
+                out.append((name, "\n".join(data)))
+        return out
+
     def json(self):
         return json.loads(self.raw)
 
