@@ -26,6 +26,11 @@ QUANTIZATIONS = ("auto", "none", "gguf", "compressed-tensors", "int8", "int4", "
                  "int4-g128")
 
 
+# how an embedding pools a prompt's hidden states (engine/pooling.py); auto: as the checkpoint
+# says, else the last token
+POOLING_CHOICES = ("auto", "last", "mean", "cls")
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
@@ -129,6 +134,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)  # engine/limits.py
+    # how an embedding pools the prompt (engine/pooling.py's POOLING_CHOICES); auto: as the
+    # checkpoint's sentence-transformers modules say, else last-token
+    pooling: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -137,6 +145,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in ("auto", "torch", "triton"):
                 raise ValueError(f"{name} must be auto, torch or triton, got {value!r}")
+        if self.pooling not in POOLING_CHOICES:
+            raise ValueError(f"pooling must be one of {POOLING_CHOICES}, got "
+                             f"{self.pooling!r}")
         if self.decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got "
                              f"{self.decode_mode!r}")

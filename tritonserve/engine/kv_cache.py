@@ -94,8 +94,11 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Leading blocks of the request's tokens already in the cache. The last token is
         never served from the cache: its logits are needed; nor is any token of a prompt
-        whose logprobs are asked for (SamplingParams.prompt_logprobs)."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        whose logprobs are asked for (SamplingParams.prompt_logprobs) or that a mean or cls
+        pool reads (engine/pooling.py)."""
+        params = request.params
+        if not self.enable_prefix_caching or params.prompt_logprobs is not None \
+                or params.pooling in ("mean", "cls"):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []

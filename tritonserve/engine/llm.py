@@ -9,6 +9,7 @@ from .config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfi
 from .limits import RequestLimits
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput, TokenOutput
+from .pooling import finish
 from .sampling_params import SamplingParams
 
 _CACHE_KEYS = {"block_size", "num_blocks", "cache_bytes", "gpu_memory_utilization",
@@ -68,22 +69,37 @@ class LLM:
         tokens: dict[str, list[TokenOutput]] = {i: [] for i in ids}
         results: dict[str, RequestOutput] = {}
         scored: dict[str, tuple] = {}  # prompt logprobs, by request
+        embedded: dict[str, tuple] = {}  # pooled vectors, by request
         while len(results) < len(ids):
             for step in engine.step():
                 if step.prompt_logprobs is not None:
                     scored[step.request_id] = step.prompt_logprobs
+                if step.embedding is not None:
+                    embedded[step.request_id] = step.embedding
                 if step.token is not None:
                     tokens[step.request_id].append(step.token)
                 if step.completion is not None:
                     i = position[step.request_id]
                     results[step.request_id] = self._output(
                         step, tokens[step.request_id], prompts[i], prompt_ids[i], params[i],
-                        scored.get(step.request_id))
+                        scored.get(step.request_id), embedded.get(step.request_id))
         return [results[i] for i in ids]
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+              dimensions: int | None = None) -> list[list[float]]:
+        """One embedding per prompt, pooled as the engine's Pooling says (engine/pooling.py)
+        and normalised where it normalises."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pooling = self.engine.pooling
+        params = SamplingParams(max_tokens=0, pooling=pooling.kind)
+        outs = self.generate(prompts, params)
+        return [finish(o.embedding, pooling.normalize, dimensions) for o in outs]
 
     @staticmethod
     def _output(step, tokens: list[TokenOutput], prompt, prompt_ids: list[int],
-                params: SamplingParams, prompt_logprobs=None) -> RequestOutput:
+                params: SamplingParams, prompt_logprobs=None,
+                embedding=None) -> RequestOutput:
         done = step.completion
         return RequestOutput(
             request_id=step.request_id, prompt=prompt if isinstance(prompt, str) else None,
@@ -92,4 +108,5 @@ class LLM:
             text="".join(t.text for t in tokens) + done.tail_text,
             finish_reason=done.reason,
             logprobs=tokens if params.logprobs is not None else None,
-            timing=done.timing, error=done.error, prompt_logprobs=prompt_logprobs)
+            timing=done.timing, error=done.error, prompt_logprobs=prompt_logprobs,
+            embedding=embedding)

@@ -24,6 +24,7 @@ from .errors import EngineDeadError, InvalidRequestError, NoTokenAllowedError
 from .kv_cache import KVCacheManager
 from .memory import (check_weights_fit, num_cache_blocks, profiled_cache_blocks,
                      profiles_cache, resolve_max_model_len)
+from .pooling import pooled_vector, resolve_pooling
 from .outputs import (Completion, FinishReason, GenerationStep, RequestTiming, TokenOutput)
 from .request import Request
 from .reasoning_end import TagFinder
@@ -72,6 +73,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.pooling = resolve_pooling(self.model_path, config.pooling)  # for embeddings
         self.checker = RequestChecker(self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
                                       self.max_model_len, config.limits)
         self._requests: dict[str, Request] = {}
@@ -227,9 +229,12 @@ class LLMEngine:
                     request.num_computed_tokens += s.num_new_tokens
                     self.kv_cache.cache_full_blocks(request)
                 first = len(steps)
-                if request.params.max_tokens == 0 and s.samples:  # a prompt scored, no draw
+                if request.params.max_tokens == 0 and s.samples:  # scored or embedded
                     request.first_token_time = now
-                    steps.append(self._finish(request, FinishReason.LENGTH, now))
+                    step = self._finish(request, FinishReason.LENGTH, now)
+                    if request.params.pooling is not None:
+                        step = dataclasses.replace(step, embedding=pooled_vector(request))
+                    steps.append(step)
                 for token in tokens if len(steps) == first else ():
                     step = self._on_token(request, token, now)  # a stop or max_tokens cuts
                     steps.append(step)  # an accepted run as usual

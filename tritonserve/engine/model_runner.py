@@ -21,6 +21,7 @@ from .models.compressed import read_compressed, scheme_of
 from .models.gguf import dense_experts, experts_served
 from .parallel import Shard
 from .plan import resolve_plan
+from .pooling import PoolRows, pool, pool_rows
 from .prompt_logprobs import PromptRows, rows_of, score
 from .request import Request
 from .sampler import SampledToken, Sampler
@@ -50,6 +51,7 @@ class ModelInput:
     spec: tuple[tuple[Request, tuple[int, ...], int], ...] = ()
     # rows whose logits score prompt tokens (SamplingParams.prompt_logprobs)
     prompt_rows: tuple[PromptRows, ...] = ()
+    pool_rows: tuple[PoolRows, ...] = ()  # rows an embedding request pools
 
 
 class ModelRunner:
@@ -230,6 +232,8 @@ class ModelRunner:
                masks=None) -> dict[str, list[SampledToken]]:
         """run's logits and draw, after the forward: this rank's alone. Prompt logprobs are
         appended to their requests (engine/prompt_logprobs.py)."""
+        if model_input.pool_rows:
+            pool(hidden, model_input.pool_rows)
         if model_input.prompt_rows:
             with _phase("logits"):
                 score(hidden, model_input.prompt_rows,
@@ -276,6 +280,7 @@ class ModelRunner:
         spec_rows: list[int] = []
         spec: list[tuple[Request, tuple[int, ...], int]] = []
         prompt_rows: list[PromptRows] = []
+        pooled: list[PoolRows] = []
         decode_rows: list[ScheduledRequest] = []  # one per decode row (a table and a length)
         decode_lens: list[int] = []
         for i, s in enumerate(decodes + prefills):
@@ -284,6 +289,8 @@ class ModelRunner:
             ids = r.token_ids[s.start:end - len(s.proposals)] + list(s.proposals)
             if not s.proposals and (rows := rows_of(r, s.start, end, len(input_ids))):
                 prompt_rows.append(rows)
+            if not s.proposals and (rows := pool_rows(r, s.start, end, len(input_ids))):
+                pooled.append(rows)
             input_ids.extend(ids)
             positions.extend(range(s.start, end))
             blocks = r.block_ids
@@ -291,7 +298,7 @@ class ModelRunner:
             if s.proposals:
                 spec.append((r, s.proposals, len(spec_rows)))
                 spec_rows.extend(range(len(input_ids) - len(ids), len(input_ids)))
-            elif s.samples:
+            elif s.samples and r.params.max_tokens > 0:  # 0: scored or embedded, no draw
                 sample_indices.append(len(input_ids) - 1)
                 sample_requests.append(r)
             if i < len(decodes):
@@ -317,7 +324,7 @@ class ModelRunner:
         return ModelInput(self._tensor(input_ids, torch.int64),
                           self._tensor(positions, torch.int64), meta,
                           self._tensor(sample_indices, torch.int64), sample_requests,
-                          tuple(spec), tuple(prompt_rows))
+                          tuple(spec), tuple(prompt_rows), tuple(pooled))
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

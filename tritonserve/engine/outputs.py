@@ -98,6 +98,9 @@ class GenerationStep:
     # SamplingParams.prompt_logprobs: on the request's first step after its prompt is
     # computed, one entry per prompt token (None for the first)
     prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
+    # SamplingParams.pooling: on the request's last step, its pooled hidden state
+    # (engine/pooling.py; not yet normalised)
+    embedding: tuple[float, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -118,3 +121,4 @@ class RequestOutput:
     timing: RequestTiming
     error: str | None = None  # why, when finish_reason is ERROR
     prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
+    embedding: tuple[float, ...] | None = None  # pooled, not normalised (LLM.embed does it)

@@ -45,6 +45,10 @@ class Request:
     # runner appends them; a recompute after preemption skips those), and whether they left
     prompt_logprobs: list = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # SamplingParams.pooling: the sum of the pooled rows' hidden states so far, and their
+    # count (engine/pooling.py)
+    pooled: object | None = None
+    pooled_rows: int = 0
 
     @property
     def waits_for_sibling(self) -> bool:

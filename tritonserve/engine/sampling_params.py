@@ -9,6 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from .config import POOLING_CHOICES
 from .errors import InvalidRequestError
 from .structured import StructuredOutput
 
@@ -58,6 +59,9 @@ class SamplingParams:
     # each prompt token's logprob and top-N alternatives (vLLM's field; completions' echo with
     # logprobs): the prompt is computed in full, never served from the prefix cache
     prompt_logprobs: int | None = None
+    # an embedding request (engine/pooling.py's KINDS: last, mean, cls): with max_tokens 0,
+    # the request ends once its prompt is computed, carrying the pooled hidden state
+    pooling: str | None = None
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
@@ -95,11 +99,14 @@ class SamplingParams:
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.seed is not None and not 0 <= _check_int("seed", self.seed) < SEED_LIMIT:
             _fail("seed", "an integer in [0, 2**64)", self.seed)
+        if self.pooling is not None and self.pooling not in POOLING_CHOICES[1:]:
+            _fail("pooling", "last, mean or cls", self.pooling)
         if self.prompt_logprobs is not None:
             if not 0 <= _check_int("prompt_logprobs", self.prompt_logprobs) <= MAX_LOGPROBS:
                 _fail("prompt_logprobs", f"in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
-        if _check_int("max_tokens", self.max_tokens) < (0 if self.scores_only_allowed else 1):
-            _fail("max_tokens", ">= 1 (0 only to score a prompt: with prompt_logprobs)",
+        if _check_int("max_tokens", self.max_tokens) < (0 if self.prompt_only else 1):
+            _fail("max_tokens", ">= 1 (0 only to score or embed a prompt: with "
+                  "prompt_logprobs or pooling)",
                   self.max_tokens)
         if _check_int("min_tokens", self.min_tokens) < 0 or self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"in [0, max_tokens={self.max_tokens}]", self.min_tokens)
@@ -130,10 +137,10 @@ class SamplingParams:
                   self.structured_after)
 
     @property
-    def scores_only_allowed(self) -> bool:
-        """max_tokens 0: the request ends once its prompt is scored (lm-eval's
-        loglikelihood requests)."""
-        return self.prompt_logprobs is not None
+    def prompt_only(self) -> bool:
+        """max_tokens 0 is allowed: the request ends once its prompt is computed, scored
+        (lm-eval's loglikelihood requests) or embedded."""
+        return self.prompt_logprobs is not None or self.pooling is not None
 
     @property
     def greedy(self) -> bool:

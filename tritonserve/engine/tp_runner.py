@@ -199,7 +199,8 @@ class TensorParallelRunner:
         masks = self.local.sampler.start_masks(model_input.sample_requests)
         try:
             self._broadcast(("forward", dataclasses.replace(model_input, sample_requests=[],
-                                                                 spec=(), prompt_rows=())))
+                                                                 spec=(), prompt_rows=(),
+                                                                 pool_rows=())))
             hidden = self.local.forward(model_input)
         except Exception as exc:
             self.dead = self.dead or f"{type(exc).__name__}: {exc}"  # the ranks are out of step

@@ -16,8 +16,8 @@ from aiohttp import web
 from tritonserve.engine import LLMEngine
 from tritonserve.engine.parallel import exit_process
 from tritonserve.engine.tp_runner import serve_rank
-from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, QUANTIZATIONS,
-                                       CacheConfig, EngineConfig, SchedulerConfig,
+from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, POOLING_CHOICES,
+                                       QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig,
                                        SpeculativeConfig)
 from tritonserve.engine.limits import RequestLimits
 from tritonserve.engine.models.gguf import SERVED as GGUF_SERVED
@@ -144,6 +144,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--responses-store", type=int, default=v.responses_store,
                    help="responses kept in memory for GET /v1/responses/{id} and "
                    "previous_response_id (the least recently used dropped first)")
+    p.add_argument("--pooling", default=e.pooling, choices=POOLING_CHOICES,
+                   help="how /v1/embeddings pools a prompt's hidden states; auto: as the "
+                   "checkpoint's sentence-transformers modules say (1_Pooling), else the last "
+                   "token, normalised")
     p.add_argument("--served-model-name", nargs="+", type=str, default=v.served_model_name,
                    help="the names requests may use (the first is reported); default the "
                    "model folder's name (its path is taken too, never shown)")
@@ -189,7 +193,7 @@ def engine_config(args: argparse.Namespace):
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, speculative_max_batch=args.speculative_max_batch,
-        speculative_min_acceptance=args.speculative_min_acceptance,
+        speculative_min_acceptance=args.speculative_min_acceptance, pooling=args.pooling,
         **{f.name: getattr(args, f.name) for f in fields(RequestLimits)}))
 
 

@@ -15,6 +15,7 @@ from .streams import EngineUnavailableError, OverloadedError
 from .chat_template import ChatTemplate
 from .common import STATE, ApiError, ServerState, json_error
 from .config import ServerConfig
+from .embeddings_api import embeddings
 from .messages_api import count_tokens, error_dialect, messages
 from .metrics import Metrics
 from .responses_api import add_routes as add_responses_routes
@@ -127,6 +128,7 @@ def build_app(engine: LLMEngine | EngineDoor, config: ServerConfig = ServerConfi
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     add_responses_routes(app, config.responses_store)

@@ -110,10 +110,10 @@ def validate_as(model: type[BaseModel], data: dict) -> BaseModel:
 
 
 # SamplingParams fields a body may set by the same name (nano-vllm's fields() filter); logprobs
-# and max_tokens differ per route and are passed in
+# and max_tokens differ per route and are passed in; pooling is /v1/embeddings' alone
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams)
                          if f.name not in ("logprobs", "max_tokens", "structured",
-                                           "structured_after"))
+                                           "structured_after", "pooling"))
 
 
 def sampling_params(body: SamplingFields, logprobs: int | None,

@@ -27,6 +27,7 @@ class Choice:
     tokens: list[TokenOutput] = field(default_factory=list)
     completion: Completion | None = None
     prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
+    embedding: tuple[float, ...] | None = None
 
     @property
     def text(self) -> str:
@@ -116,6 +117,8 @@ async def _collect(request, request_id, items, renderer) -> web.Response:
             return failure_response(failure, request_id)
         if item.prompt_logprobs is not None:
             choices[index].prompt_logprobs = item.prompt_logprobs
+        if item.embedding is not None:
+            choices[index].embedding = item.embedding
         if item.token is not None:
             choices[index].tokens.append(item.token)
         if item.completion is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from tritonserve.engine import LLMEngine
 from tritonserve.engine.plan import DecodePlan
+from tritonserve.engine.pooling import Pooling
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class ModelCard:
     kernels: str  # which kernels serve: "Triton (CUDA)", "C++ CPU ops (ISA ...)", "torch"
     aliases: tuple[str, ...] = ()  # --served-model-name: then the only names, name the first
     engines: int = 1  # data-parallel engines (num_kv_blocks is their sum)
+    hidden_size: int = 0  # an embedding's length before `dimensions`
+    pooling: Pooling | None = None  # how /v1/embeddings pools (engine/pooling.py)
 
     def names(self) -> tuple[str, ...]:
         """The names a request's `model` field may use (the folder's path too, as vLLM)."""
@@ -75,4 +78,5 @@ def card_of(engine: LLMEngine, served_names: tuple[str, ...] = ()) -> ModelCard:
         max_model_len=engine.max_model_len, vocab_size=engine.arch.vocab_size,
         num_kv_blocks=engine.kv_cache.num_blocks, block_size=engine.kv_cache.block_size,
         dtype=engine.config.dtype, plan=engine.runner.plan,
-        kernels=engine.runner.kernels_in_use())
+        kernels=engine.runner.kernels_in_use(), hidden_size=engine.arch.hidden_size,
+        pooling=engine.pooling)

@@ -246,7 +246,7 @@ class ChatRenderer(OpenAIRenderer):
                 "logprobs": self._logprobs(choice.tokens), "finish_reason": finish}
 
 
-def _prompt_list(prompt) -> list:
+def prompt_list(prompt) -> list:
     """A completions `prompt`: a string, token ids, or a list of either -> a list of prompts."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         return [prompt]
@@ -265,7 +265,7 @@ async def opened(request: web.Request, schema, unsupported: tuple[str, ...] = UN
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state, arrival, body = await opened(request, CompletionRequest)
-    prompts = _prompt_list(body.prompt)
+    prompts = prompt_list(body.prompt)
     if len(prompts) * body.n > MAX_CHOICES:
         raise ApiError(400, "invalid_request", f"prompts x n must be at most {MAX_CHOICES}, got "
                        f"{len(prompts)} x {body.n}", "n")
