@@ -62,6 +62,9 @@ class SamplingParams:
     # an embedding request (engine/pooling.py's KINDS: last, mean, cls): with max_tokens 0,
     # the request ends once its prompt is computed, carrying the pooled hidden state
     pooling: str | None = None
+    # the scheduler's order (vLLM's meaning): lower runs first and preempts higher under a
+    # full cache (engine/scheduler.py); equal priorities are first come, first served
+    priority: int = 0
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
@@ -99,6 +102,8 @@ class SamplingParams:
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.seed is not None and not 0 <= _check_int("seed", self.seed) < SEED_LIMIT:
             _fail("seed", "an integer in [0, 2**64)", self.seed)
+        if not -(1 << 31) <= _check_int("priority", self.priority) < 1 << 31:
+            _fail("priority", "a 32-bit integer", self.priority)
         if self.pooling is not None and self.pooling not in POOLING_CHOICES[1:]:
             _fail("pooling", "last, mean or cls", self.pooling)
         if self.prompt_logprobs is not None:

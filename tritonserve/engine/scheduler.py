@@ -11,6 +11,12 @@ then take its full blocks from the prefix cache: the prompt is prefilled once.
 With speculative decoding (engine/speculative.py) a decoding request may also carry up to K
 proposed tokens: it asks for 1 + K tokens of budget and KV slots, and the engine keeps the
 slots of the accepted ones only. A step proposes only while at most max_batch requests run.
+
+Priority (SamplingParams.priority, vLLM's meaning: lower runs first; 0 by default): the waiting
+queue is ordered by (priority, arrival); back-pressure preempts the lowest-priority running
+request (the most recently admitted among equals, as without priorities); and a waiting
+request that finds no room (the cache full, or max_num_seqs running) preempts running
+requests of strictly lower priority until it fits. Equal priorities behave exactly as FCFS.
 """
 from __future__ import annotations
 
@@ -75,7 +81,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        """Into the waiting queue by (priority, arrival): behind every request it does not
+        precede (O(1) for the usual arrival in order)."""
+        key = _key(request)
+        at = len(self.waiting)
+        while at > 0 and key < _key(self.waiting[at - 1]):
+            at -= 1
+        self.waiting.insert(at, request)
 
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out and return its blocks."""
@@ -114,7 +129,7 @@ class Scheduler:
                     index += 1
                     continue
             while not self.kv_cache.allocate(request, num_new):
-                victim = self.running.pop()
+                victim = self.running.pop(_victim(self.running, index))
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -124,16 +139,25 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+        pressure = bool(preempted)  # the running requests did not fit: admit none, unless
+        while self.waiting and budget > 0:  # the head outranks one of them
             request = self.waiting[0]
             if request.waits_for_sibling:  # FIFO: the queue behind it waits one step too
                 break
-            cached = self.kv_cache.find_cached_prefix(request)
-            num_cached_tokens = len(cached) * self.kv_cache.block_size
-            num_new = min(request.num_tokens - num_cached_tokens, budget)
-            if not self.kv_cache.allocate(request, num_new, cached):
+            outranked = [r for r in self.running if r.params.priority > request.params.priority]
+            if pressure and not outranked:
                 break
+            fits = False
+            if len(self.running) < self.config.max_num_seqs:
+                cached = self.kv_cache.find_cached_prefix(request)
+                num_cached_tokens = len(cached) * self.kv_cache.block_size
+                num_new = min(request.num_tokens - num_cached_tokens, budget)
+                fits = self.kv_cache.allocate(request, num_new, cached)
+            if not fits:
+                if not outranked:
+                    break
+                budget += self._make_room(outranked, scheduled, preempted)
+                continue
             self.waiting.popleft()
             request.num_computed_tokens = num_cached_tokens
             request.status = RequestStatus.RUNNING
@@ -146,10 +170,34 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, preempted)
 
+    def _make_room(self, outranked: list[Request], scheduled: list[ScheduledRequest],
+                   preempted: list[str]) -> int:
+        """Preempts the lowest-priority request of `outranked` for a waiting request that
+        precedes it; returns the budget it had taken this step (its entry is dropped)."""
+        victim = outranked[_victim(outranked, 0)]
+        self.running.remove(victim)
+        returned = 0
+        for entry in [e for e in scheduled if e.request is victim]:
+            scheduled.remove(entry)
+            returned += entry.num_new_tokens
+        self._preempt(victim)
+        preempted.append(victim.request_id)
+        return returned
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request)
+
+
+def _key(request: Request) -> tuple[int, float]:
+    return request.params.priority, request.arrival_time
+
+
+def _victim(running: list[Request], start: int) -> int:
+    """The index, from `start` on, of the request to preempt: the lowest priority (the largest
+    value), the latest among equals (the last one: FCFS's choice)."""
+    return max(range(start, len(running)), key=lambda i: (running[i].params.priority, i))

@@ -85,6 +85,7 @@ class SamplingFields(Strict):
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top-N
+    priority: int | None = None  # vLLM's: lower runs first (engine/scheduler.py)
 
 
 class GenerateRequest(SamplingFields):
