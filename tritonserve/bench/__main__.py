@@ -1,6 +1,6 @@
 """tritonserve bench {throughput,profile,kernels,serve,conformance,grammar,loading,
     engine-check,compile-probe,cpu-decode,cpu-linear,quant-accuracy,ab-trees,tp-cost,
-    bound,gguf-table,hostile,model-shape} ..."""
+    bound,gguf-table,hostile,model-shape,priority} ..."""
 from __future__ import annotations
 
 import importlib
@@ -25,6 +25,7 @@ COMMANDS = {
     "gguf-table": "tritonserve.bench.gguf_table",
     "hostile": "tritonserve.bench.hostile",
     "model-shape": "tritonserve.bench.model_shape",
+    "priority": "tritonserve.bench.priority",
 }
 
 

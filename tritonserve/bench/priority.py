@@ -1,0 +1,110 @@
+"""tritonserve bench priority --url URL: does a high-priority request start promptly while
+a full cache serves many low-priority streams?
+
+1. idle: a probe (a ~100-token prompt, 4 tokens, streamed) --rounds times on a quiet server:
+   its median time to first token is the baseline;
+2. --streams low-priority streams (priority 10, distinct prompts, --low-tokens tokens each,
+   ignore_eos) fill the cache (start the server with --num-blocks small enough that they do
+   not all fit: some wait, some are preempted);
+3. while they run: the probe with priority -10, then with priority 10 (what FCFS would give
+   it), --rounds times each, alternating.
+Prints each phase's median and worst TTFT and the loaded / idle ratios. The target (issue
+"The APIs agents and evaluators speak"): the high-priority probe within 2x its idle TTFT.
+Every client is a thread with its own connection (http.client).
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import threading
+import time
+from urllib.parse import urlsplit
+
+PROBE = ("Summarise the following in one word: paged attention stores the keys and values "
+         "of every sequence in fixed-size blocks, so that memory is allocated on demand and "
+         "shared between sequences that start alike. ")
+
+
+def _stream(url: str, body: dict, first: threading.Event | None = None) -> tuple[float, float]:
+    """(seconds to the first token event, seconds to the end) of one /generate stream."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=3600)
+    started = time.perf_counter()
+    try:
+        conn.request("POST", "/generate", body=json.dumps({**body, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+        ttft = None
+        for line in response:
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "token" and ttft is None:
+                ttft = time.perf_counter() - started
+                if first is not None:
+                    first.set()
+            elif event["type"] == "error":
+                raise RuntimeError(f"error event: {event}")
+        return ttft if ttft is not None else float("nan"), time.perf_counter() - started
+    finally:
+        conn.close()
+
+
+def _probe(url: str, priority: int) -> float:
+    return _stream(url, {"prompt": PROBE, "max_tokens": 4, "temperature": 0,
+                         "ignore_eos": True, "priority": priority})[0]
+
+
+def run(url: str, streams: int = 64, low_tokens: int = 512, rounds: int = 5) -> dict:
+    idle = [_probe(url, -10) for _ in range(rounds)]
+    low_body = {"max_tokens": low_tokens, "temperature": 0, "ignore_eos": True, "priority": 10}
+    started = [threading.Event() for _ in range(streams)]
+    lows = [threading.Thread(target=_stream, args=(url, {
+        **low_body, "prompt": f"Story {i}: once upon a time in a town numbered {i * 7919},"},
+        started[i]), daemon=True) for i in range(streams)]
+    for thread in lows:
+        thread.start()
+    while sum(e.is_set() for e in started) < streams // 2:  # the cache is filling
+        time.sleep(0.05)
+    high, fcfs = [], []
+    for _ in range(rounds):
+        high.append(_probe(url, -10))
+        fcfs.append(_probe(url, 10))
+    running_at_end = sum(t.is_alive() for t in lows)
+    for thread in lows:
+        thread.join()
+    idle_median = statistics.median(idle)
+    return {"streams": streams, "low_tokens": low_tokens, "rounds": rounds,
+            "low_streams_still_running_after_the_probes": running_at_end,
+            "idle_ttft_s": idle, "high_ttft_s": high, "fcfs_ttft_s": fcfs,
+            "high_over_idle_median": statistics.median(high) / idle_median,
+            "high_over_idle_worst": max(high) / idle_median,
+            "fcfs_over_idle_median": statistics.median(fcfs) / idle_median}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tritonserve bench priority")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--low-tokens", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    out = run(args.url, args.streams, args.low_tokens, args.rounds)
+    ms = lambda values: f"median {statistics.median(values) * 1e3:.0f} ms, worst " \
+                        f"{max(values) * 1e3:.0f} ms"  # noqa: E731
+    print(f"idle probe TTFT:                    {ms(out['idle_ttft_s'])}")
+    print(f"priority -10 beside {out['streams']} streams: {ms(out['high_ttft_s'])} "
+          f"({out['high_over_idle_median']:.2f}x idle, worst {out['high_over_idle_worst']:.2f}x)")
+    print(f"priority 10 (FCFS) beside them:     {ms(out['fcfs_ttft_s'])} "
+          f"({out['fcfs_over_idle_median']:.2f}x idle)")
+    print(f"low streams still running when the probes ended: "
+          f"{out['low_streams_still_running_after_the_probes']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
