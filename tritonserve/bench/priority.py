@@ -60,6 +60,7 @@ def _probe(url: str, priority: int) -> float:
 
 
 def run(url: str, streams: int = 64, low_tokens: int = 512, rounds: int = 5) -> dict:
+    _probe(url, -10)  # warm-up (the first request pays one-time costs)
     idle = [_probe(url, -10) for _ in range(rounds)]
     low_body = {"max_tokens": low_tokens, "temperature": 0, "ignore_eos": True, "priority": 10}
     started = [threading.Event() for _ in range(streams)]
