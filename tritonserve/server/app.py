@@ -19,6 +19,7 @@ from .embeddings_api import embeddings
 from .messages_api import count_tokens, error_dialect, messages
 from .metrics import Metrics
 from .responses_api import add_routes as add_responses_routes
+from .routes_cluster import add_routes as add_cluster_routes
 from .operators import api_key, cors
 from .routes_native import generate
 from .routes_openai import chat_completions, completions, models
@@ -132,6 +133,7 @@ def build_app(engine: LLMEngine | EngineDoor, config: ServerConfig = ServerConfi
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     add_responses_routes(app, config.responses_store)
+    add_cluster_routes(app)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)

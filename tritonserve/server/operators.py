@@ -2,7 +2,8 @@
 caller's X-Request-Id taken as the request's id (server/config.py holds the settings).
 
 - API key (`--api-key`, or TRITONSERVE_API_KEY): every route but the probes (/health,
-  /metrics, /version; `--auth-probes` closes them too) wants `Authorization: Bearer KEY`
+  /metrics, /version, and what a router reads: /get_load, /model_info, /server_info;
+  `--auth-probes` closes them too) wants `Authorization: Bearer KEY`
   (or `X-Api-Key: KEY`); compared in constant time; else 401 with OpenAI's error shape.
 - CORS (`--allowed-origins`, comma-separated, `*` for any): a browser's preflight (OPTIONS
   with Access-Control-Request-Method) is answered 204 before the key is asked for (browsers
@@ -21,7 +22,9 @@ from aiohttp import web
 
 from .common import STATE, ApiError, json_error, new_request_id
 
-PROBES = ("/health", "/metrics", "/version")
+# what load balancers and routers read (server/routes_cluster.py): no data, no key needed
+PROBES = ("/health", "/metrics", "/version", "/get_load", "/model_info", "/get_model_info",
+          "/server_info", "/get_server_info")
 PAGES = ("/",)  # the playground: static, no data; its API calls carry the key
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _CORS_METHODS = "GET, POST, OPTIONS"

@@ -191,7 +191,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     request_id = started(request, "resp")
     items = await state.engine.submit(request_id, [chat.prompt_ids], chat.params, arrival)
     renderer = ResponsesRenderer(state, request_id, body, chat, conversation, store)
-    return await respond(request, request_id, items, renderer, body.stream)
+    return await respond(request, request_id, items, renderer, bool(body.stream))
 
 
 async def retrieve(request: web.Request) -> web.Response:

@@ -35,9 +35,14 @@ class ResponsesRequest(Strict):
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int | None = None
+    # sampling beyond OpenAI's (sglang-router sends them at their defaults)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    priority: int | None = None
     previous_response_id: str | None = None
     store: bool = True
-    stream: bool = False
+    stream: bool | None = False
     stream_options: dict | None = None
     metadata: dict | None = None
     user: str | None = None
@@ -190,7 +195,9 @@ def as_chat(body: ResponsesRequest, history: tuple[dict, ...]) -> tuple[ChatComp
     chat = validate_as(ChatCompletionRequest, {
         "model": body.model, "messages": messages,
         "max_completion_tokens": body.max_output_tokens,
-        "temperature": body.temperature, "top_p": body.top_p,
+        "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+        "min_p": body.min_p, "repetition_penalty": body.repetition_penalty,
+        "priority": body.priority,
         "logprobs": bool(body.top_logprobs), "top_logprobs": body.top_logprobs,
         "tools": _tools(body), "tool_choice": _tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,

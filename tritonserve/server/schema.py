@@ -121,6 +121,11 @@ class OpenAIFields(SamplingFields):
     service_tier: str | None = None
     store: bool | None = None
     metadata: dict | None = None
+    # SGLang's, as sglang-router sends them (routes_openai.SGLANG_DEFAULTS)
+    no_stop_trim: bool | None = None
+    return_hidden_states: bool | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
 
 
 class CompletionRequest(OpenAIFields):
@@ -168,6 +173,7 @@ class ChatCompletionRequest(OpenAIFields):
     web_search_options: dict | None = None
     chat_template_kwargs: dict | None = None  # variables for the template (enable_thinking)
     chat_template: str | None = None  # refused: a template is server configuration
+    continue_final_message: bool | None = None  # SGLang's (routes_openai.SGLANG_DEFAULTS)
 
 
 class TokenizeRequest(Strict):

@@ -1,0 +1,132 @@
+"""Two servers behind sglang-router on loopback: what the router calls is answered (/health,
+/get_load, /model_info, the OpenAI routes with the SGLang fields it adds), cache-aware
+routing sends a shared prefix to one worker (more prefix-cache hits than round-robin), and a
+stopped worker is routed around with no request lost."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.server_util import ServerThread, request
+
+pytest.importorskip("sglang_router")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Router:
+    def __init__(self, workers: list[str], policy: str, model: str = "m") -> None:
+        self.port, self.model = _free_port(), model
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+             "--port", str(self.port), "--prometheus-port", str(_free_port()),
+             "--policy", policy, "--worker-urls", *workers, "--log-level", "warn",
+             "--health-check-interval-secs", "1", "--retry-max-retries", "3"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                status, _, raw = request(self.port, "GET", "/get_loads", timeout=5)
+                loads = json.loads(raw).get("workers", []) if status == 200 else []
+                if len(loads) == len(workers) and all(w["load"] >= 0 for w in loads):
+                    return
+            except OSError:
+                pass
+            assert self.proc.poll() is None, self.proc.stderr.read().decode()[-2000:]
+            time.sleep(0.5)
+        self.stop()
+        raise AssertionError("the router did not register the workers in 60 s")
+
+    def complete(self, prompt: str, max_tokens: int = 2) -> tuple[int, dict]:
+        status, _, raw = request(self.port, "POST", "/v1/completions", {
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True})
+        return status, json.loads(raw) if raw else {}
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model):
+    from tritonserve.engine import LLMEngine
+    from tritonserve.engine.llm import build_config
+    servers = [ServerThread(LLMEngine(build_config(tiny_model))) for _ in range(2)]
+    yield servers
+    for srv in servers:
+        srv.stop()
+
+
+def _hits(servers) -> list[int]:
+    return [srv.engine.kv_cache.stats.hit_tokens for srv in servers]
+
+
+@pytest.mark.slow
+def test_what_the_router_calls_is_answered(workers):
+    model = workers[0].engine.model_name
+    router = Router([w.url for w in workers], "round_robin", model)
+    try:
+        status, body = router.complete("hello there", 3)
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        status, _, raw = request(router.port, "POST", "/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert status == 200, raw
+        status, _, raw = request(router.port, "POST", "/v1/responses", {
+            "model": model, "input": "hi", "max_output_tokens": 3})
+        assert status == 200 and json.loads(raw)["object"] == "response", raw
+        status, _, raw = request(router.port, "POST", "/v1/embeddings", {"model": model,
+                                                                         "input": "hi"})
+        assert status == 200 and len(json.loads(raw)["data"][0]["embedding"]) > 0
+        status, _, raw = request(workers[0].port, "GET", "/get_load")
+        assert status == 200 and {"num_reqs", "num_waiting_reqs", "num_tokens"} <= set(
+            json.loads(raw)[0])
+        status, _, raw = request(workers[0].port, "GET", "/model_info")
+        assert status == 200 and json.loads(raw)["model_path"] == workers[0].engine.model_name
+    finally:
+        router.stop()
+
+
+@pytest.mark.slow
+def test_cache_aware_routing_keeps_a_prefix_on_one_worker(workers):
+    gained = {}
+    for policy in ("round_robin", "cache_aware"):  # each with prefixes of its own
+        prefixes = [f"{policy} document {k}: " + " ".join(f"w{k}x{i}" for i in range(60))
+                    for k in range(4)]
+        router = Router([w.url for w in workers], policy, workers[0].engine.model_name)
+        try:
+            before = sum(_hits(workers))
+            for prefix in prefixes:
+                for j in range(4):
+                    status, _ = router.complete(f"{prefix} [question {j}]")
+                    assert status == 200
+            gained[policy] = sum(_hits(workers)) - before
+        finally:
+            router.stop()
+    # round-robin splits each prefix's four requests over both workers (each computes it
+    # once); cache-aware sends all four to one (computed once, then three hits)
+    assert gained["cache_aware"] > gained["round_robin"] > 0, gained
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_is_routed_around(tiny_model):
+    from tritonserve.engine import LLMEngine
+    from tritonserve.engine.llm import build_config
+    servers = [ServerThread(LLMEngine(build_config(tiny_model))) for _ in range(2)]
+    router = Router([s.url for s in servers], "round_robin", servers[0].engine.model_name)
+    try:
+        servers[1].stop()
+        results = [router.complete(f"request {i}")[0] for i in range(8)]
+        assert results == [200] * 8, results
+    finally:
+        router.stop()
+        servers[0].stop()
