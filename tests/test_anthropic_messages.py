@@ -8,9 +8,8 @@ import json
 
 import pytest
 
-from tests.server_util import ServerThread, request
-from tests.test_chat_features import THINKING_TEMPLATE, Script
-from tests.tiny_models import write_tiny_model
+from tests.server_util import request
+from tests.test_chat_features import scripted_qwen3
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -23,14 +22,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from tritonserve.engine import LLMEngine
-    from tritonserve.engine.llm import build_config
-    folder = tmp_path_factory.mktemp("messages")
-    model = write_tiny_model(folder / "model", "Qwen3ForCausalLM", seed=3)
-    (folder / "t.jinja").write_text(THINKING_TEMPLATE)
-    engine = LLMEngine(build_config(str(model)))
-    script = Script(engine)
-    srv = ServerThread(engine, chat_template=str(folder / "t.jinja"), api_key=KEY)
+    srv, script = scripted_qwen3(tmp_path_factory.mktemp("messages"), api_key=KEY)
     yield srv, script
     srv.stop()
 

@@ -77,17 +77,23 @@ class Script:
         self.stop = stop
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
+def scripted_qwen3(folder, **server_options) -> tuple[ServerThread, Script]:
+    """A server on a tiny Qwen3-shaped model with THINKING_TEMPLATE, its output scripted
+    (tests/test_anthropic_messages.py and tests/test_responses_api.py use it too)."""
     from tritonserve.engine import LLMEngine
     from tritonserve.engine.llm import build_config
-    folder = tmp_path_factory.mktemp("qwen3-thinking")
     model = write_tiny_model(folder / "model", "Qwen3ForCausalLM", seed=3)
     template = folder / "thinking.jinja"
     template.write_text(THINKING_TEMPLATE)
     engine = LLMEngine(build_config(str(model)))
     script = Script(engine)
-    srv = ServerThread(engine, chat_template=str(template), chat_template_timeout=0.5)
+    return ServerThread(engine, chat_template=str(template), **server_options), script
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    srv, script = scripted_qwen3(tmp_path_factory.mktemp("qwen3-thinking"),
+                                 chat_template_timeout=0.5)
     yield srv, script
     srv.stop()
 

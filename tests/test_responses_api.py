@@ -11,9 +11,8 @@ import json
 import pytest
 from pydantic import BaseModel
 
-from tests.server_util import ServerThread, request
-from tests.test_chat_features import THINKING_TEMPLATE, Script
-from tests.tiny_models import write_tiny_model
+from tests.server_util import request
+from tests.test_chat_features import scripted_qwen3
 
 openai = pytest.importorskip("openai")
 
@@ -21,19 +20,11 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                           "required": ["city"]}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-NO_THINKING = {"effort": None}
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from tritonserve.engine import LLMEngine
-    from tritonserve.engine.llm import build_config
-    folder = tmp_path_factory.mktemp("responses")
-    model = write_tiny_model(folder / "model", "Qwen3ForCausalLM", seed=3)
-    (folder / "t.jinja").write_text(THINKING_TEMPLATE)
-    engine = LLMEngine(build_config(str(model)))
-    script = Script(engine)
-    srv = ServerThread(engine, chat_template=str(folder / "t.jinja"), responses_store=4)
+    srv, script = scripted_qwen3(tmp_path_factory.mktemp("responses"), responses_store=4)
     yield srv, script
     srv.stop()
 
