@@ -46,6 +46,7 @@ setup(
                  "setuptools>=70.1",
                  # the clients of the Messages API, of loglikelihood evals and of N servers
                  # (tests/test_anthropic_messages.py, tests/test_lm_eval.py, tests/test_router.py)
-                 "anthropic>=0.60", "lm-eval>=0.4.9", "sglang-router>=0.2"],
+                 "anthropic>=0.60", "lm-eval>=0.4.9", "sglang-router>=0.2",
+                 "vllm-router>=0.1.10"],
     },
 )

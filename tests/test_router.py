@@ -1,10 +1,12 @@
-"""Two servers behind sglang-router on loopback: what the router calls is answered (/health,
-/get_load, /model_info, the OpenAI routes with the SGLang fields it adds), cache-aware
-routing sends a shared prefix to one worker (more prefix-cache hits than round-robin), and a
-stopped worker is routed around with no request lost."""
+"""Two servers behind the routers people deploy (sglang-router, vllm-router) on loopback: what
+the router calls is answered (/health, /get_load, /model_info, the OpenAI, Responses,
+embeddings and Messages routes with the fields each router adds), cache-aware routing sends a
+shared prefix to one worker (more prefix-cache hits than round-robin), and a stopped worker is
+routed around with no request lost."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,7 +16,18 @@ import pytest
 
 from tests.server_util import ServerThread, request
 
-pytest.importorskip("sglang_router")
+ROUTERS = ["sglang", "vllm"]
+
+
+def _command(kind: str) -> list[str]:
+    if kind == "sglang":
+        pytest.importorskip("sglang_router")
+        return [sys.executable, "-m", "sglang_router.launch_router"]
+    binary = shutil.which("vllm-router") or shutil.which(
+        "vllm-router", path=str(__import__("pathlib").Path(sys.executable).parent))
+    if binary is None:
+        pytest.skip("vllm-router is not installed")
+    return [binary]
 
 
 def _free_port() -> int:
@@ -24,12 +37,13 @@ def _free_port() -> int:
 
 
 class Router:
-    def __init__(self, workers: list[str], policy: str, model: str = "m") -> None:
+    def __init__(self, workers: list[str], policy: str, model: str = "m",
+                 kind: str = "sglang") -> None:
         self.port, self.model = _free_port(), model
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+            [*_command(kind), "--host", "127.0.0.1",
              "--port", str(self.port), "--prometheus-port", str(_free_port()),
-             "--policy", policy, "--worker-urls", *workers, "--log-level", "warn",
+             "--policy", policy, "--worker-urls", *workers, "--log-level", "error",
              "--health-check-interval-secs", "1", "--retry-max-retries", "3"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 60
@@ -37,7 +51,9 @@ class Router:
             try:
                 status, _, raw = request(self.port, "GET", "/get_loads", timeout=5)
                 loads = json.loads(raw).get("workers", []) if status == 200 else []
-                if len(loads) == len(workers) and all(w["load"] >= 0 for w in loads):
+                # both registered (vllm-router reads {"load"} where /get_load gives
+                # SGLang's list: it shows -1, unknown), and serving
+                if len(loads) == len(workers) and self.complete("ready?")[0] == 200:
                     return
             except OSError:
                 pass
@@ -72,9 +88,10 @@ def _hits(servers) -> list[int]:
 
 
 @pytest.mark.slow
-def test_what_the_router_calls_is_answered(workers):
+@pytest.mark.parametrize("kind", ROUTERS)
+def test_what_the_router_calls_is_answered(workers, kind):
     model = workers[0].engine.model_name
-    router = Router([w.url for w in workers], "round_robin", model)
+    router = Router([w.url for w in workers], "round_robin", model, kind)
     try:
         status, body = router.complete("hello there", 3)
         assert status == 200 and body["usage"]["completion_tokens"] == 3
@@ -87,6 +104,11 @@ def test_what_the_router_calls_is_answered(workers):
         status, _, raw = request(router.port, "POST", "/v1/embeddings", {"model": model,
                                                                          "input": "hi"})
         assert status == 200 and len(json.loads(raw)["data"][0]["embedding"]) > 0
+        if kind == "vllm":  # sglang-router 0.3 does not route /v1/messages
+            status, _, raw = request(router.port, "POST", "/v1/messages", {
+                "model": model, "max_tokens": 3,
+                "messages": [{"role": "user", "content": "hi"}]})
+            assert status == 200 and json.loads(raw)["type"] == "message", raw
         status, _, raw = request(workers[0].port, "GET", "/get_load")
         assert status == 200 and {"num_reqs", "num_waiting_reqs", "num_tokens"} <= set(
             json.loads(raw)[0])
@@ -97,12 +119,13 @@ def test_what_the_router_calls_is_answered(workers):
 
 
 @pytest.mark.slow
-def test_cache_aware_routing_keeps_a_prefix_on_one_worker(workers):
+@pytest.mark.parametrize("kind", ROUTERS)
+def test_cache_aware_routing_keeps_a_prefix_on_one_worker(workers, kind):
     gained = {}
     for policy in ("round_robin", "cache_aware"):  # each with prefixes of its own
-        prefixes = [f"{policy} document {k}: " + " ".join(f"w{k}x{i}" for i in range(60))
+        prefixes = [f"{kind} {policy} document {k}: " + " ".join(f"w{k}x{i}" for i in range(60))
                     for k in range(4)]
-        router = Router([w.url for w in workers], policy, workers[0].engine.model_name)
+        router = Router([w.url for w in workers], policy, workers[0].engine.model_name, kind)
         try:
             before = sum(_hits(workers))
             for prefix in prefixes:

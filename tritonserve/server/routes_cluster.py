@@ -2,7 +2,7 @@
 router"): GET /get_load (its load balancing: the tokens each engine holds in its KV cache and
 its requests), GET /model_info and /server_info (the model it registers the worker under).
 /health, /v1/models and /metrics are the server's own. The router also adds SGLang's own
-request fields at their defaults (routes_openai.SGLANG_DEFAULTS).
+request fields at their defaults (routes_openai.ROUTER_DEFAULTS; vllm-router adds vLLM's).
 """
 from __future__ import annotations
 

@@ -22,11 +22,11 @@ from .chat_prepare import prepare_chat
 # documented by OpenAI, not served yet: setting one is a 400 naming it (None / False is unset)
 UNSUPPORTED = ("service_tier", "metadata", "suffix", "functions", "function_call", "audio",
                "modalities", "prediction", "web_search_options")
-# SGLang's own fields, which sglang-router adds to every body at these values (what this
-# server does anyway); another value is a 400 naming the field
-SGLANG_DEFAULTS = {"no_stop_trim": False, "return_hidden_states": False,
+# SGLang's and vLLM's own fields, which sglang-router and vllm-router add to every body at
+# these values (what this server does anyway); another value is a 400 naming the field
+ROUTER_DEFAULTS = {"no_stop_trim": False, "return_hidden_states": False,
                    "continue_final_message": False, "separate_reasoning": True,
-                   "stream_reasoning": True}
+                   "stream_reasoning": True, "include_reasoning": True}
 
 
 def check_model(state, model: str | None) -> None:
@@ -38,7 +38,7 @@ def check_model(state, model: str | None) -> None:
 
 
 def _check_supported(body, unsupported: tuple[str, ...]) -> None:
-    for name, default in SGLANG_DEFAULTS.items():
+    for name, default in ROUTER_DEFAULTS.items():
         if getattr(body, name, None) not in (None, default):
             raise ApiError(400, "unsupported_parameter", f"{name} other than "
                            f"{str(default).lower()} is not supported by this server", name)

@@ -121,7 +121,7 @@ class OpenAIFields(SamplingFields):
     service_tier: str | None = None
     store: bool | None = None
     metadata: dict | None = None
-    # SGLang's, as sglang-router sends them (routes_openai.SGLANG_DEFAULTS)
+    # SGLang's, as sglang-router sends them (routes_openai.ROUTER_DEFAULTS)
     no_stop_trim: bool | None = None
     return_hidden_states: bool | None = None
     separate_reasoning: bool | None = None
@@ -173,7 +173,9 @@ class ChatCompletionRequest(OpenAIFields):
     web_search_options: dict | None = None
     chat_template_kwargs: dict | None = None  # variables for the template (enable_thinking)
     chat_template: str | None = None  # refused: a template is server configuration
-    continue_final_message: bool | None = None  # SGLang's (routes_openai.SGLANG_DEFAULTS)
+    # SGLang's and vLLM's, as their routers send them (routes_openai.ROUTER_DEFAULTS)
+    continue_final_message: bool | None = None
+    include_reasoning: bool | None = None
 
 
 class TokenizeRequest(Strict):
