@@ -135,3 +135,13 @@ def test_vllm_prompt_logprobs_field(server, tiny_model):
     status, _, raw = request(server.port, "POST", "/v1/completions", {
         "prompt": prompt, "max_tokens": 0})
     assert status == 400 and json.loads(raw)["error"]["param"] == "max_tokens"
+
+
+def test_a_prompt_of_max_model_len_is_scored(tiny_model):
+    llm = LLM(tiny_model, dtype="float32", max_model_len=64)
+    prompt = (mixed_prompts(llm.tokenizer, count=1, seed=3)[0] * 20)[:64]
+    out = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    check_against_hf(tiny_model, prompt, out.prompt_logprobs, 0)
+    with pytest.raises(InvalidRequestError) as err:
+        llm.generate([prompt], SamplingParams(max_tokens=1))
+    assert err.value.param == "prompt"

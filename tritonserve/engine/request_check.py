@@ -35,7 +35,8 @@ class RequestChecker:
         parameters checked against the vocabulary (SamplingParams.for_vocab)."""
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
-        if len(prompt_token_ids) >= self.max_model_len:  # before any per-token work
+        room = 0 if params.max_tokens == 0 else 1  # scoring or embedding a prompt: none
+        if len(prompt_token_ids) + room > self.max_model_len:  # before any per-token work
             raise InvalidRequestError(
                 "prompt", f"{len(prompt_token_ids)} tokens leave no room for output within "
                 f"max_model_len {self.max_model_len}")
