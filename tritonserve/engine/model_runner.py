@@ -287,10 +287,11 @@ class ModelRunner:
             r = s.request
             end = s.start + s.num_new_tokens
             ids = r.token_ids[s.start:end - len(s.proposals)] + list(s.proposals)
-            if not s.proposals and (rows := rows_of(r, s.start, end, len(input_ids))):
-                prompt_rows.append(rows)
-            if not s.proposals and (rows := pool_rows(r, s.start, end, len(input_ids))):
-                pooled.append(rows)
+            if s.start < r.num_prompt_tokens and not s.proposals:  # a prompt chunk
+                if rows := rows_of(r, s.start, end, len(input_ids)):
+                    prompt_rows.append(rows)
+                if rows := pool_rows(r, s.start, end, len(input_ids)):
+                    pooled.append(rows)
             input_ids.extend(ids)
             positions.extend(range(s.start, end))
             blocks = r.block_ids

@@ -78,12 +78,15 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prioritized = False  # a request with a priority other than 0 has come
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
+        if request.params.priority:
+            self.prioritized = True  # from now on the priority checks run (cheap otherwise)
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
@@ -111,7 +114,7 @@ class Scheduler:
 
         speculate = self.proposer is not None and len(self.running) <= self.speculate_below
         room = self.max_rows - len(self.running)  # proposals this step may add
-        head = self.waiting[0] if self.waiting else None
+        head = self.waiting[0] if self.waiting and self.prioritized else None
         outranked_by = head.params.priority if head is not None \
             and not head.waits_for_sibling else None  # running requests it outranks wait
         index = 0
@@ -153,8 +156,9 @@ class Scheduler:
             request = self.waiting[0]
             if request.waits_for_sibling:  # FIFO: the queue behind it waits one step too
                 break
-            outranked = [r for r in self.running if r.params.priority > request.params.priority]
-            if pressure and not outranked:
+            outranks = self.prioritized and any(
+                r.params.priority > request.params.priority for r in self.running)
+            if pressure and not outranks:
                 break
             fits = False
             if len(self.running) < self.config.max_num_seqs:
@@ -163,9 +167,9 @@ class Scheduler:
                 num_new = min(request.num_tokens - num_cached_tokens, budget)
                 fits = self.kv_cache.allocate(request, num_new, cached)
             if not fits:
-                if not outranked:
+                if not outranks:
                     break
-                budget += self._make_room(outranked, scheduled, preempted)
+                budget += self._make_room(request, scheduled, preempted)
                 continue
             self.waiting.popleft()
             request.num_computed_tokens = num_cached_tokens
@@ -179,11 +183,11 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, preempted)
 
-    def _make_room(self, outranked: list[Request], scheduled: list[ScheduledRequest],
+    def _make_room(self, request: Request, scheduled: list[ScheduledRequest],
                    preempted: list[str]) -> int:
-        """Preempts the lowest-priority request of `outranked` for a waiting request that
-        precedes it; returns the budget it had taken this step (its entry is dropped)."""
-        victim = outranked[_victim(outranked, 0)]
+        """Preempts the lowest-priority running request for `request`, which outranks it;
+        returns the budget the victim had taken this step (its entry is dropped)."""
+        victim = self.running[_victim(self.running, 0)]
         self.running.remove(victim)
         returned = 0
         for entry in [e for e in scheduled if e.request is victim]:
