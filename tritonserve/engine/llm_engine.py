@@ -229,17 +229,15 @@ class LLMEngine:
                     request.num_computed_tokens += s.num_new_tokens
                     self.kv_cache.cache_full_blocks(request)
                 first = len(steps)
-                if request.params.max_tokens == 0 and s.samples:  # scored or embedded
-                    request.first_token_time = now
-                    step = self._finish(request, FinishReason.LENGTH, now)
-                    if request.params.pooling is not None:
-                        step = dataclasses.replace(step, embedding=pooled_vector(request))
-                    steps.append(step)
-                for token in tokens if len(steps) == first else ():
-                    step = self._on_token(request, token, now)  # a stop or max_tokens cuts
-                    steps.append(step)  # an accepted run as usual
-                    if step.finished:
-                        break
+                if request.params.max_tokens == 0:  # scored or embedded: no token is drawn
+                    if s.samples:
+                        steps.append(self._prompt_done(request, now))
+                else:
+                    for token in tokens:  # a stop or max_tokens cuts an accepted run as usual
+                        step = self._on_token(request, token, now)
+                        steps.append(step)
+                        if step.finished:
+                            break
                 if len(steps) > first and request.params.prompt_logprobs is not None \
                         and not request.prompt_logprobs_sent:
                     steps[first] = self._with_prompt_logprobs(request, steps[first])
@@ -310,6 +308,15 @@ class LLMEngine:
             return GenerationStep(request.request_id, token, None)
         step = self._finish(request, reason, now, matched=matched)
         return GenerationStep(request.request_id, token, step.completion)
+
+    def _prompt_done(self, request: Request, now: float) -> GenerationStep:
+        """A max_tokens 0 request's end, once its prompt is computed: with its pooled vector
+        when it embeds."""
+        request.first_token_time = now
+        step = self._finish(request, FinishReason.LENGTH, now)
+        if request.params.pooling is not None:
+            step = dataclasses.replace(step, embedding=pooled_vector(request))
+        return step
 
     @staticmethod
     def _with_prompt_logprobs(request: Request, step: GenerationStep) -> GenerationStep:
