@@ -124,9 +124,9 @@ async def messages_stream_events(ctx) -> str:
 
 
 async def messages_error_shape(ctx) -> str:
+    body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": "many"}
     reply = await post(ctx.session, ctx.base_url + "/v1/messages",
-                       {"messages": [{"role": "user", "content": QUESTION}],
-                        "max_tokens": "many"})
+                       {**body, "model": ctx.model} if ctx.model else body)
     if reply.status == 404:
         raise Skipped("/v1/messages is not served (HTTP 404)")
     require(400 <= reply.status < 500, f"HTTP {reply.status} for a bad max_tokens")
