@@ -6,8 +6,11 @@ a full cache serves many low-priority streams?
 2. --streams low-priority streams (priority 10, distinct prompts, --low-tokens tokens each,
    ignore_eos) fill the cache (start the server with --num-blocks small enough that they do
    not all fit: some wait, some are preempted);
-3. while they run: the probe with priority -10, then with priority 10 (what FCFS would give
-   it), --rounds times each, alternating.
+3. while they run: the probe with priority -10, --rounds times, each noting how many low
+   streams were in flight (started, not ended) when it was sent;
+4. then the probe with priority 10 (what FCFS would give it), --rounds times: the first one
+   may wait for most streams to end, so it comes last (run beside the high-priority rounds,
+   it emptied the server under them).
 Prints each phase's median and worst TTFT and the loaded / idle ratios. The target (issue
 "The APIs agents and evaluators speak"): the high-priority probe within 2x its idle TTFT.
 Every client is a thread with its own connection (http.client).
@@ -27,7 +30,8 @@ PROBE = ("Summarise the following in one word: paged attention stores the keys a
          "shared between sequences that start alike. ")
 
 
-def _stream(url: str, body: dict, first: threading.Event | None = None) -> tuple[float, float]:
+def _stream(url: str, body: dict, first: threading.Event | None = None,
+            ended: threading.Event | None = None) -> tuple[float, float]:
     """(seconds to the first token event, seconds to the end) of one /generate stream."""
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=3600)
@@ -52,6 +56,8 @@ def _stream(url: str, body: dict, first: threading.Event | None = None) -> tuple
         return ttft if ttft is not None else float("nan"), time.perf_counter() - started
     finally:
         conn.close()
+        if ended is not None:
+            ended.set()
 
 
 def _probe(url: str, priority: int) -> float:
@@ -64,23 +70,28 @@ def run(url: str, streams: int = 64, low_tokens: int = 512, rounds: int = 5) -> 
     idle = [_probe(url, -10) for _ in range(rounds)]
     low_body = {"max_tokens": low_tokens, "temperature": 0, "ignore_eos": True, "priority": 10}
     started = [threading.Event() for _ in range(streams)]
+    ended = [threading.Event() for _ in range(streams)]
     lows = [threading.Thread(target=_stream, args=(url, {
         **low_body, "prompt": f"Story {i}: once upon a time in a town numbered {i * 7919},"},
-        started[i]), daemon=True) for i in range(streams)]
+        started[i], ended[i]), daemon=True) for i in range(streams)]
     for thread in lows:
         thread.start()
     while sum(e.is_set() for e in started) < streams // 2:  # the cache is filling
         time.sleep(0.05)
-    high, fcfs = [], []
+    in_flight = lambda: sum(s.is_set() and not e.is_set()  # noqa: E731
+                            for s, e in zip(started, ended))
+    high, beside = [], []
     for _ in range(rounds):
+        beside.append(in_flight())
         high.append(_probe(url, -10))
-        fcfs.append(_probe(url, 10))
+    fcfs = [_probe(url, 10) for _ in range(rounds)]
     running_at_end = sum(t.is_alive() for t in lows)
     for thread in lows:
         thread.join()
     idle_median = statistics.median(idle)
     return {"streams": streams, "low_tokens": low_tokens, "rounds": rounds,
             "low_streams_still_running_after_the_probes": running_at_end,
+            "low_streams_in_flight_at_each_high_probe": beside,
             "idle_ttft_s": idle, "high_ttft_s": high, "fcfs_ttft_s": fcfs,
             "high_over_idle_median": statistics.median(high) / idle_median,
             "high_over_idle_worst": max(high) / idle_median,
@@ -103,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({out['high_over_idle_median']:.2f}x idle, worst {out['high_over_idle_worst']:.2f}x)")
     print(f"priority 10 (FCFS) beside them:     {ms(out['fcfs_ttft_s'])} "
           f"({out['fcfs_over_idle_median']:.2f}x idle)")
-    print(f"low streams still running when the probes ended: "
+    print(f"low streams in flight at each priority -10 probe: "
+          f"{out['low_streams_in_flight_at_each_high_probe']}; still running at the end: "
           f"{out['low_streams_still_running_after_the_probes']}")
     if args.json:
         with open(args.json, "w") as f:
