@@ -163,3 +163,34 @@ def test_embeddings_share_the_engine_with_a_stream(embedder):
     status, events = results["stream"]
     assert status == 200 and events[-1]["type"] == "done"
     assert events[-1]["output_tokens"] == 40 == len(events) - 1
+
+
+def test_prompt_only_requests_take_their_share_of_a_step(tiny_model):
+    """While a request decodes, embedding (and scoring) chunks take at most
+    max_prompt_only_tokens of a step; alone, the whole budget."""
+    from tritonserve.engine import LLMEngine
+    from tritonserve.engine.llm import build_config
+    engine = LLMEngine(build_config(tiny_model, max_prompt_only_tokens=32))
+    chunks: list[tuple[str, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def spied():
+        out = schedule()
+        chunks.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = spied
+    ids = engine.tokenize("paged attention keeps keys and values in blocks " * 8)[:150]
+    engine.add_request(ids, SamplingParams(max_tokens=0, pooling="last"), "alone")
+    engine.step()  # nothing decodes: the whole prompt in one step
+    assert chunks[-1] == [("alone", 150)] and not engine.has_unfinished_requests()
+    engine.add_request(ids[:10], SamplingParams(max_tokens=30, ignore_eos=True), "stream")
+    engine.step()  # its prefill; it decodes from now on
+    chunks.clear()
+    other = engine.tokenize("a prompt no cached block holds, for the share " * 12)[:150]
+    engine.add_request(other, SamplingParams(max_tokens=0, pooling="last"), "embed")
+    while engine.has_unfinished_requests():
+        engine.step()
+    embed = [n for step in chunks for rid, n in step if rid == "embed"]
+    assert sum(embed) == 150 and max(embed) == 32, embed
+    assert all(any(rid == "stream" for rid, _ in step) for step in chunks[:len(embed)])

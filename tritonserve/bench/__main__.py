@@ -1,6 +1,6 @@
 """tritonserve bench {throughput,profile,kernels,serve,conformance,grammar,loading,
     engine-check,compile-probe,cpu-decode,cpu-linear,quant-accuracy,ab-trees,tp-cost,
-    bound,gguf-table,hostile,model-shape,priority} ..."""
+    bound,gguf-table,hostile,model-shape,priority,embed-share} ..."""
 from __future__ import annotations
 
 import importlib
@@ -26,6 +26,7 @@ COMMANDS = {
     "hostile": "tritonserve.bench.hostile",
     "model-shape": "tritonserve.bench.model_shape",
     "priority": "tritonserve.bench.priority",
+    "embed-share": "tritonserve.bench.embed_share",
 }
 
 

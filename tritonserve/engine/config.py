@@ -65,10 +65,18 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    # while a request decodes, the tokens of a step that requests computing only their prompt
+    # (embeddings, scoring: max_tokens 0) may take: beside embedding batches 4 streams' TPOT
+    # was 1434 ms with the whole 2048-token budget theirs, 582 ms at 256 (19 ms alone; docs/
+    # benchmarks.md, "Embeddings beside generation")
+    max_prompt_only_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_prompt_only_tokens < 1:
+            raise ValueError(f"max_prompt_only_tokens must be >= 1, got "
+                             f"{self.max_prompt_only_tokens}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

@@ -3,10 +3,12 @@
 There are no separate prefill and decode phases: every running request asks for the tokens it
 has not computed yet (a whole prompt, a chunk of it, or the one token sampled last step), and
 the scheduler hands out the budget first to running requests, then to waiting ones in arrival
-order. A failed block allocation is the single back-pressure signal: it preempts the most
-recently arrived running request (its blocks are freed and it is recomputed later). The
-choices of an n > 1 request wait until their first sibling has computed the shared prompt,
-then take its full blocks from the prefix cache: the prompt is prefilled once.
+order. Requests that compute only their prompt (embeddings, scoring) take at most
+max_prompt_only_tokens of a step while another request decodes. A failed block allocation is
+the single back-pressure signal: it preempts the most recently arrived running request (its
+blocks are freed and it is recomputed later). The choices of an n > 1 request wait until their
+first sibling has computed the shared prompt, then take its full blocks from the prefix cache:
+the prompt is prefilled once.
 
 With speculative decoding (engine/speculative.py) a decoding request may also carry up to K
 proposed tokens: it asks for 1 + K tokens of budget and KV slots, and the engine keeps the
@@ -111,6 +113,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        self._prompt_only_left: int | None = None  # set at the first prompt-only request
 
         speculate = self.proposer is not None and len(self.running) <= self.speculate_below
         room = self.max_rows - len(self.running)  # proposals this step may add
@@ -123,7 +126,11 @@ class Scheduler:
             if outranked_by is not None and request.params.priority > outranked_by:
                 index += 1  # a step off: the waiting request that outranks it goes first
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._share(request, min(
+                request.num_tokens - request.num_computed_tokens, budget))
+            if num_new == 0:  # an embedding or scoring chunk past its share this step
+                index += 1
+                continue
             proposals: tuple[int, ...] = ()
             if speculate and num_new == 1 and eligible(request) \
                     and worth_proposing(request, self.min_acceptance):
@@ -164,7 +171,10 @@ class Scheduler:
             if len(self.running) < self.config.max_num_seqs:
                 cached = self.kv_cache.find_cached_prefix(request)
                 num_cached_tokens = len(cached) * self.kv_cache.block_size
-                num_new = min(request.num_tokens - num_cached_tokens, budget)
+                num_new = self._share(request, min(request.num_tokens - num_cached_tokens,
+                                                   budget))
+                if num_new == 0:  # the prompt-only share is spent: the queue waits a step
+                    break
                 fits = self.kv_cache.allocate(request, num_new, cached)
             if not fits:
                 if not outranks:
@@ -182,6 +192,21 @@ class Scheduler:
             budget -= num_new
 
         return SchedulerOutput(scheduled, preempted)
+
+    def _share(self, request: Request, num_new: int) -> int:
+        """num_new, or for a request that computes only its prompt (max_tokens 0: an
+        embedding, a scoring) what is left of max_prompt_only_tokens this step while some
+        request decodes (without one, the whole budget)."""
+        if request.params.max_tokens:
+            return num_new
+        if self._prompt_only_left is None:
+            decoding = any(r.params.max_tokens and r.num_computed_tokens >= r.num_prompt_tokens
+                           for r in self.running)
+            self._prompt_only_left = (self.config.max_prompt_only_tokens if decoding
+                                      else self.config.max_num_batched_tokens)
+        num_new = min(num_new, self._prompt_only_left)
+        self._prompt_only_left -= num_new
+        return num_new
 
     def _make_room(self, request: Request, scheduled: list[ScheduledRequest],
                    preempted: list[str]) -> int:

@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=q.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=q.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=q.max_model_len)
+    p.add_argument("--max-prompt-only-tokens", type=int, default=q.max_prompt_only_tokens,
+                   help="while a request decodes, the tokens of a step that embedding and "
+                   "scoring requests (max_tokens 0) may take")
     p.add_argument("--attention-backend", default=e.attention_backend, choices=backends)
     p.add_argument("--sampler-backend", default=e.sampler_backend, choices=backends)
     p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "dummy"])
@@ -186,6 +189,7 @@ def engine_config(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_prompt_only_tokens=args.max_prompt_only_tokens,
         attention_backend=args.attention_backend, sampler_backend=args.sampler_backend,
         load_format=args.load_format, quantization=args.quantization,
         decode_mode=args.decode_mode, tensor_parallel_size=args.tensor_parallel_size,
