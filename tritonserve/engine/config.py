@@ -145,6 +145,10 @@ class EngineConfig:
     # how an embedding pools the prompt (engine/pooling.py's POOLING_CHOICES); auto: as the
     # checkpoint's sentence-transformers modules say, else last-token
     pooling: str = "auto"
+    # LoRA adapters served beside the base (engine/lora.py): "name=PEFT folder" each, and the
+    # largest rank one may have
+    lora_modules: tuple[str, ...] = ()
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

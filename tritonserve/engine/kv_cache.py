@@ -47,6 +47,12 @@ def prompt_digests(token_ids: list[int], block_size: int) -> list[bytes]:
     return digests
 
 
+def _salt(request: Request) -> bytes | None:
+    """The root of a request's chain: its LoRA adapter's (engine/lora.py), so an adapter's
+    blocks are never the base model's or another adapter's."""
+    return request.lora.cache_salt if request.lora is not None else None
+
+
 @dataclass
 class PrefixCacheStats:
     queried_tokens: int = 0
@@ -102,7 +108,7 @@ class KVCacheManager:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        parent: bytes | None = None
+        parent = _salt(request)
         for i in range(max_blocks):
             key = BlockKey(parent, tuple(request.token_ids[i * self.block_size:
                                                           (i + 1) * self.block_size]))
@@ -122,7 +128,7 @@ class KVCacheManager:
             return
         num_full = request.num_computed_tokens // self.block_size
         for i in range(request.num_cached_blocks, num_full):
-            parent = request.block_hashes[i - 1] if i else None
+            parent = request.block_hashes[i - 1] if i else _salt(request)
             key = BlockKey(parent, tuple(request.token_ids[i * self.block_size:
                                                           (i + 1) * self.block_size]))
             block_hash = key.digest

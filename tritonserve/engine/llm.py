@@ -49,8 +49,10 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """lora: a LoRA adapter's name (--lora-modules / lora_modules) for every prompt, or
+        one (or None: the base) per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
@@ -64,8 +66,9 @@ class LLM:
         for token_ids, sp in zip(prompt_ids, params):
             sp = engine.validate(token_ids, sp)
             checked.append((token_ids, sp, engine.checker.compile(sp)))
-        ids = [engine.add_checked(token_ids, sp, grammar=grammar)
-               for token_ids, sp, grammar in checked]
+        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+        ids = [engine.add_checked(token_ids, sp, grammar=grammar, lora=name)
+               for (token_ids, sp, grammar), name in zip(checked, loras)]
         position = {request_id: i for i, request_id in enumerate(ids)}
         tokens: dict[str, list[TokenOutput]] = {i: [] for i in ids}
         results: dict[str, RequestOutput] = {}

@@ -24,6 +24,7 @@ from .errors import EngineDeadError, InvalidRequestError, NoTokenAllowedError
 from .kv_cache import KVCacheManager
 from .memory import (check_weights_fit, num_cache_blocks, profiled_cache_blocks,
                      profiles_cache, resolve_max_model_len)
+from .lora import LoraAdapter, load_adapter
 from .pooling import pooled_vector, resolve_pooling
 from .outputs import (Completion, FinishReason, GenerationStep, RequestTiming, TokenOutput)
 from .request import Request
@@ -74,6 +75,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.pooling = resolve_pooling(self.model_path, config.pooling)  # for embeddings
+        self.loras = self._load_loras(config)
         self.checker = RequestChecker(self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
                                       self.max_model_len, config.limits)
         self._requests: dict[str, Request] = {}
@@ -85,6 +87,24 @@ class LLMEngine:
     def grammars(self) -> Grammars:
         """Built on the first structured request (it reads the whole vocabulary once)."""
         return self.checker.grammars
+
+    def _load_loras(self, config: EngineConfig) -> dict[str, LoraAdapter]:
+        """--lora-modules name=folder ...: each checked against this base (engine/lora.py)."""
+        if not config.lora_modules:
+            return {}
+        model = getattr(self.runner, "model", None)
+        if config.tensor_parallel_size > 1 or self.arch.variant.experts is not None or (
+                model is not None and any(getattr(layer.mlp, "silu_in_matmul", False)
+                                          for layer in model.layers)):
+            raise ValueError("LoRA adapters are served on one rank, dense MLP layers and gate/"
+                             "up without silu fused into its matmul (not bf16 panels) for now")
+        loras = {}
+        for spec in config.lora_modules:
+            name, _, folder = spec.partition("=")
+            if not name or not folder:
+                raise ValueError(f"--lora-modules takes name=folder, got {spec!r}")
+            loras[name] = load_adapter(name, folder, self.arch, config.max_lora_rank)
+        return loras
 
     # ---- public API ----------------------------------------------------------------------
     @property
@@ -112,7 +132,8 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    prefill_after: str | None = None, grammar=None) -> str:
+                    prefill_after: str | None = None, grammar=None,
+                    lora: str | None = None) -> str:
         """Validates the request (engine/request_check.py), then add_checked. prefill_after:
         the id of a request with the same prompt (a sibling choice of n); this one is
         scheduled once that one's prompt is computed, and then finds the prompt's full blocks
@@ -127,16 +148,18 @@ class LLMEngine:
         if grammar is None and params.structured is not None:
             grammar = self.checker.compile(params)
         return self.add_checked(token_ids, params, request_id, arrival_time, prefill_after,
-                                grammar, text)
+                                grammar, text, lora)
 
     def add_checked(self, token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, arrival_time: float | None = None,
                     prefill_after: str | None = None, grammar=None,
-                    prompt: str | None = None) -> str:
+                    prompt: str | None = None, lora: str | None = None) -> str:
         """A request its host has checked already (RequestChecker.validate's parameters, its
         grammar compiled off the event loop: server/async_engine.py, server/engine_process.py),
         added without checking it again."""
         request_id = request_id or f"req-{next(self._ids)}"
+        if lora is not None and lora not in self.loras:
+            raise InvalidRequestError("model", f"no LoRA adapter {lora!r} is loaded")
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         request = Request(
@@ -148,7 +171,8 @@ class LLMEngine:
                 token_ids[-PROMPT_DETOKENIZE_CONTEXT:]),
             stop_matcher=StopStringMatcher(params.stop, params.include_stop_str_in_output),
             prefill_after=self._requests.get(prefill_after) if prefill_after else None,
-            matcher=self.grammars.matcher(grammar) if grammar is not None else None)
+            matcher=self.grammars.matcher(grammar) if grammar is not None else None,
+            lora=self.loras.get(lora) if lora is not None else None)
         if params.structured_after and request.matcher is not None:
             request.held_matcher, request.matcher = request.matcher, None
             request.reasoning_end = TagFinder(params.structured_after)

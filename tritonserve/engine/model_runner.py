@@ -21,6 +21,7 @@ from .models.compressed import read_compressed, scheme_of
 from .models.gguf import dense_experts, experts_served
 from .parallel import Shard
 from .plan import resolve_plan
+from .lora import LoraBatch, batch_of
 from .pooling import PoolRows, pool, pool_rows
 from .prompt_logprobs import PromptRows, rows_of, score
 from .request import Request
@@ -52,6 +53,7 @@ class ModelInput:
     # rows whose logits score prompt tokens (SamplingParams.prompt_logprobs)
     prompt_rows: tuple[PromptRows, ...] = ()
     pool_rows: tuple[PoolRows, ...] = ()  # rows an embedding request pools
+    lora: LoraBatch | None = None  # the rows of each adapter (engine/lora.py)
 
 
 class ModelRunner:
@@ -224,7 +226,7 @@ class ModelRunner:
 
     def forward(self, model_input: ModelInput) -> torch.Tensor:
         """run's forward: under tensor parallelism the part where the ranks meet."""
-        ctx = ForwardContext(model_input.meta, self.kv_caches, self.backend)
+        ctx = ForwardContext(model_input.meta, self.kv_caches, self.backend, model_input.lora)
         with _phase("forward"):
             return self._forward(model_input, ctx)
 
@@ -260,7 +262,8 @@ class ModelRunner:
         n = model_input.input_ids.shape[0]
         model = self.weights.model_for(n)
         step = self.decode_step if model is self.model else self.dense_decode_step
-        if step is not None and model_input.meta.num_decode_tokens == n <= self.decode_max_batch:
+        if step is not None and model_input.meta.num_decode_tokens == n <= self.decode_max_batch \
+                and model_input.lora is None:  # the decode plans take no adapter
             return step(model_input.input_ids, model_input.positions, ctx)
         return model(model_input.input_ids, model_input.positions, ctx)
 
@@ -322,10 +325,12 @@ class ModelRunner:
             prefill_cu_seqlens_q=self._tensor(cu, torch.int32),
             prefill_max_q_len=max((s.num_new_tokens for s in prefills), default=0),
         )
+        ordered = decodes + prefills
+        lora = batch_of([s.request.lora for s in ordered], [s.num_new_tokens for s in ordered])
         return ModelInput(self._tensor(input_ids, torch.int64),
                           self._tensor(positions, torch.int64), meta,
                           self._tensor(sample_indices, torch.int64), sample_requests,
-                          tuple(spec), tuple(prompt_rows), tuple(pooled))
+                          tuple(spec), tuple(prompt_rows), tuple(pooled), lora)
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

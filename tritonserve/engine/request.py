@@ -49,6 +49,7 @@ class Request:
     # count (engine/pooling.py)
     pooled: object | None = None
     pooled_rows: int = 0
+    lora: object | None = None  # its engine/lora.py LoraAdapter; None: the base model
 
     @property
     def waits_for_sibling(self) -> bool:

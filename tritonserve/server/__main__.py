@@ -147,6 +147,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--responses-store", type=int, default=v.responses_store,
                    help="responses kept in memory for GET /v1/responses/{id} and "
                    "previous_response_id (the least recently used dropped first)")
+    p.add_argument("--lora-modules", nargs="+", default=list(e.lora_modules),
+                   metavar="NAME=FOLDER", help="LoRA adapters (PEFT folders) served beside the "
+                   "base; a request names one by `model`")
+    p.add_argument("--max-lora-rank", type=int, default=e.max_lora_rank,
+                   help="the largest rank an adapter may have")
     p.add_argument("--pooling", default=e.pooling, choices=POOLING_CHOICES,
                    help="how /v1/embeddings pools a prompt's hidden states; auto: as the "
                    "checkpoint's sentence-transformers modules say (1_Pooling), else the last "
@@ -198,6 +203,7 @@ def engine_config(args: argparse.Namespace):
         num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
         ngram_max=args.ngram_max, speculative_max_batch=args.speculative_max_batch,
         speculative_min_acceptance=args.speculative_min_acceptance, pooling=args.pooling,
+        lora_modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank,
         **{f.name: getattr(args, f.name) for f in fields(RequestLimits)}))
 
 

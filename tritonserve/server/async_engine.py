@@ -92,7 +92,8 @@ class AsyncEngine(EngineDoor):
                 for new in inbox:
                     try:
                         engine.add_checked(new.prompt_token_ids, new.params, new.request_id,
-                                           new.arrival_time, new.prefill_after, new.grammar)
+                                           new.arrival_time, new.prefill_after, new.grammar,
+                                           lora=new.lora)
                     except Exception as exc:  # noqa: BLE001 - checked before; this one alone
                         code = ("invalid_request" if isinstance(exc, InvalidRequestError)
                                 else "engine_error")

@@ -19,7 +19,7 @@ from tritonserve.engine.pooling import finish
 
 from .common import ApiError
 from .driver import Choice, Renderer, respond
-from .routes_openai import opened, prompt_list, started
+from .routes_openai import lora_of, opened, prompt_list, started
 from .schema import Strict
 
 
@@ -77,7 +77,8 @@ async def embeddings(request: web.Request) -> web.Response:
             ids.append(list(item))
     params = SamplingParams(max_tokens=0, pooling=pooling.kind)
     request_id = started(request, "embd")
-    items = await state.engine.submit(request_id, ids, params, arrival)
+    items = await state.engine.submit(request_id, ids, params, arrival,
+                                      lora=lora_of(state, body.model))
     renderer = EmbeddingsRenderer(body.model or card.name, body, pooling.normalize,
                                   sum(len(p) for p in ids))
     return await respond(request, request_id, items, renderer, stream=False)

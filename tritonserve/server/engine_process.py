@@ -212,7 +212,7 @@ def _take(engine: LLMEngine, conn, message, compiles: _Compiles) -> None:
 def _add(engine: LLMEngine, conn, new: NewRequest, grammar) -> None:
     try:
         engine.add_checked(new.prompt_token_ids, new.params, new.request_id,
-                           new.arrival_time, new.prefill_after, grammar)
+                           new.arrival_time, new.prefill_after, grammar, lora=new.lora)
     except Exception as exc:  # noqa: BLE001 - checked by the front end; this one alone
         _reject(conn, new, exc)
 

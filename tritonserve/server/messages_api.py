@@ -27,7 +27,7 @@ from .chat_prepare import PreparedChat, prepare_chat
 from .common import ApiError, NamedEvent
 from .driver import Choice, Payload, Renderer, respond
 from .messages_input import MessagesRequest, as_chat
-from .routes_openai import opened, started
+from .routes_openai import lora_of, opened, started
 
 
 # ---- the answer --------------------------------------------------------------------------
@@ -146,7 +146,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "invalid_request", "max_tokens is required", "max_tokens")
     chat = await prepare_chat(state, as_chat(body))
     request_id = started(request, "msg")
-    items = await state.engine.submit(request_id, [chat.prompt_ids], chat.params, arrival)
+    items = await state.engine.submit(request_id, [chat.prompt_ids], chat.params, arrival,
+                                      lora=lora_of(state, body.model))
     renderer = MessagesRenderer(state, request_id, body, chat)
     return await respond(request, request_id, items, renderer, body.stream)
 

@@ -24,7 +24,7 @@ from .chat_prepare import PreparedChat, prepare_chat
 from .common import NamedEvent
 from .driver import Choice, Payload, Renderer, respond
 from .responses_input import STORE, ResponseStore, ResponsesRequest, Stored, as_chat
-from .routes_openai import opened, started
+from .routes_openai import lora_of, opened, started
 
 UNSUPPORTED = ("background", "conversation", "prompt", "max_tool_calls")
 
@@ -189,7 +189,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     chat_body, conversation = as_chat(body, history)
     chat = await prepare_chat(state, chat_body)
     request_id = started(request, "resp")
-    items = await state.engine.submit(request_id, [chat.prompt_ids], chat.params, arrival)
+    items = await state.engine.submit(request_id, [chat.prompt_ids], chat.params, arrival,
+                                      lora=lora_of(state, body.model))
     renderer = ResponsesRenderer(state, request_id, body, chat, conversation, store)
     return await respond(request, request_id, items, renderer, bool(body.stream))
 

@@ -31,10 +31,15 @@ ROUTER_DEFAULTS = {"no_stop_trim": False, "return_hidden_states": False,
 
 def check_model(state, model: str | None) -> None:
     card = state.engine.card
-    if model is not None and model not in card.names():
+    if model is not None and model not in card.names() and model not in card.loras:
         raise ApiError(404, "model_not_found", f"model {model!r} is not served here; "
-                       f"this server serves {' or '.join(map(repr, card.public_names()))}",
-                       "model")
+                       f"this server serves "
+                       f"{' or '.join(map(repr, card.public_names() + card.loras))}", "model")
+
+
+def lora_of(state, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names; None for the base (check_model first)."""
+    return model if model is not None and model in state.engine.card.loras else None
 
 
 def _check_supported(body, unsupported: tuple[str, ...]) -> None:
@@ -94,7 +99,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "prompt_logprobs": max(body.logprobs, body.prompt_logprobs or 0)})
     params = sampling_params(scored, body.logprobs, structured=structured_output(body))
     request_id = started(request, "cmpl")
-    items = await state.engine.submit(request_id, ids, params, arrival, body.n)
+    items = await state.engine.submit(request_id, ids, params, arrival, body.n,
+                                      lora_of(state, body.model))
     renderer = CompletionRenderer(state, request_id, body, echo, ids)
     return await respond(request, request_id, items, renderer, body.stream)
 
@@ -104,7 +110,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     chat = await prepare_chat(state, body)
     request_id = started(request, "chatcmpl")
     items = await state.engine.submit(request_id, [chat.prompt_ids], chat.params, arrival,
-                                      body.n)
+                                      body.n, lora_of(state, body.model))
     renderer = ChatRenderer(state, request_id, body, chat.plan, len(chat.prompt_ids),
                             chat.prompt_text, chat.template.reasoning_parser)
     return await respond(request, request_id, items, renderer, body.stream)
@@ -123,4 +129,7 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [{
         "id": name, "object": "model", "created": 0, "owned_by": "tritonserve",
         "root": card.name, "max_model_len": card.max_model_len}
-        for name in card.public_names()]})
+        for name in card.public_names()] + [{
+        "id": name, "object": "model", "created": 0, "owned_by": "tritonserve",
+        "root": name, "parent": card.name, "max_model_len": card.max_model_len}
+        for name in card.loras]})

@@ -52,7 +52,7 @@ class StreamHub:
     # ---- on the event loop ----------------------------------------------------------------
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                      arrival_time: float, n: int, validate: Callable, make_grammar: Callable,
-                     waiting: Callable[[], int]) -> RequestStream:
+                     waiting: Callable[[], int], lora: str | None = None) -> RequestStream:
         """EngineDoor.submit with the host's validate, grammar maker and count of requests
         waiting inside it."""
         self._check_alive()
@@ -80,7 +80,7 @@ class StreamHub:
                         prompt_params, seed=(prompt_params.seed + j) % SEED_LIMIT)
                 choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{len(new)}"
                 new.append(NewRequest(choice_id, ids, choice_params, arrival_time, first,
-                                      grammar))
+                                      grammar, lora))
                 first = first or choice_id
         for index, item in enumerate(new):
             self._queues[item.request_id] = (queue, index)
@@ -187,17 +187,19 @@ class EngineDoor:
 
     # ---- the stream half ------------------------------------------------------------------
     async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                     arrival_time: float, n: int = 1) -> RequestStream:
+                     arrival_time: float, n: int = 1, lora: str | None = None
+                     ) -> RequestStream:
         """n choices for each prompt (choice index = prompt index * n + j); every prompt is
         validated, its grammar made (off the loop) and admission checked before anything
         is enqueued, so this raises InvalidRequestError, OverloadedError or
         EngineUnavailableError having done nothing. The n choices of a prompt share its
         prefill: the first runs it, the others wait for it and then find the prompt's full
         blocks in the prefix cache. A seeded request's choice j samples with seed + j. Close
-        the returned stream in a `finally`."""
+        the returned stream in a `finally`. lora: the adapter every choice runs under (the
+        card's `loras`)."""
         return await self.hub.submit(request_id, prompts, params, arrival_time, n,
                                      self.validate, self.make_grammar,
-                                     lambda: self.stats.num_waiting)
+                                     lambda: self.stats.num_waiting, lora)
 
     def in_flight(self, request_id: str) -> bool:
         return self.hub.in_flight(request_id)

@@ -44,6 +44,7 @@ class NewRequest:
     # the structured output's grammar, made off the event loop (server/grammar_jobs.py):
     # compiled for an engine in this process, a parsed grammar's JSON for an engine process
     grammar: object = None
+    lora: str | None = None  # the LoRA adapter it runs under (engine/lora.py); None: the base
 
 
 StreamItem = GenerationStep | StreamFailure

@@ -29,6 +29,7 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k_cache, v_cache
     backend: AttentionBackend
+    lora: object | None = None  # the step's engine/lora.py LoraBatch; None: no adapter
 
 
 class RMSNorm(nn.Module):
@@ -69,6 +70,8 @@ class Attention(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         """rope: this layer's tables, None for a layer without rope."""
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        if ctx.lora is not None:
+            ctx.lora.add(qkv, x, self.layer_index, "qkv")
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         masks = dict(window=self.window, softcap=self.softcap)
         whole = rope is not None and rope[0].shape[-1] == self.head_dim
@@ -76,7 +79,7 @@ class Attention(nn.Module):
         if fused is not None:  # rope, the split and the cache write in one op
             q = fused(qkv, *rope, ctx.meta.slot_mapping, k_cache, v_cache, self.num_heads)
             out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale, **masks)
-            return self.o_proj(out.reshape(-1, self.q_size))
+            return self._out(out.reshape(-1, self.q_size), ctx)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
@@ -89,12 +92,19 @@ class Attention(nn.Module):
             q, k = RotaryEmbedding.apply(q, rope), RotaryEmbedding.apply(k, rope)
         out = ctx.backend.forward(q, k.contiguous(), v.contiguous(), k_cache, v_cache,
                                   ctx.meta, self.scale, **masks)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self._out(out.reshape(-1, self.q_size), ctx)
+
+    def _out(self, heads: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        y = self.o_proj(heads)
+        if ctx.lora is not None:
+            ctx.lora.add(y, heads, self.layer_index, "o")
+        return y
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, layer_index: int = 0) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.intermediate_size = arch.intermediate_size
         self.activation = arch.variant.activation
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
@@ -108,14 +118,23 @@ class MLP(nn.Module):
     def fuse_silu(self) -> bool:
         return self.activation == "silu" and self.gate_up_proj.fuse_silu()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """lora: the step's LoraBatch (engine/lora.py), added before the activation (an
+        engine with adapters never fuses silu into gate/up: LlmEngine checks it)."""
         h = self.gate_up_proj(x)
+        if lora is not None:
+            lora.add(h, x, self.layer_index, "gate_up")
         if self.silu_in_matmul:
             return self.down_proj(h)
         if self.activation == "silu":
-            return self.down_proj(ops.silu_and_mul(h))
-        gate, up = h.chunk(2, dim=-1)
-        return self.down_proj(torch.nn.functional.gelu(gate, approximate="tanh") * up)
+            a = ops.silu_and_mul(h)
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            a = torch.nn.functional.gelu(gate, approximate="tanh") * up
+        y = self.down_proj(a)
+        if lora is not None:
+            lora.add(y, a, self.layer_index, "down")
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -128,7 +147,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, layer_index)
         experts = variant.experts
         self.mlp = (SparseMoE(arch.hidden_size, experts, variant.activation)
-                    if experts is not None and experts.sparse(layer_index) else MLP(arch))
+                    if experts is not None and experts.sparse(layer_index)
+                    else MLP(arch, layer_index))
         self.norm_names = variant.norm_names()
         for name in self.norm_names:  # by the checkpoint's names (loader.py)
             setattr(self, name, RMSNorm(arch.hidden_size, arch.rms_norm_eps))
@@ -149,16 +169,19 @@ class DecoderLayer(nn.Module):
                 h, residual = self.input_layernorm(x, residual)
             h = self.scaled(self.self_attn(rope, h, ctx))
             h, residual = self.post_attention_layernorm(h, residual)
-            return self.scaled(self.mlp(h)), residual
+            return self.scaled(self._mlp(h, ctx)), residual
         stream = x if residual is None else x + residual
         if self.placement == "post":
             h = self.post_attention_layernorm(self.self_attn(rope, stream, ctx))
             stream = stream + self.scaled(h)
-            return self.scaled(self.post_feedforward_layernorm(self.mlp(stream))), stream
+            return self.scaled(self.post_feedforward_layernorm(self._mlp(stream, ctx))), stream
         h = self.self_attn(rope, self.input_layernorm(stream), ctx)  # sandwich
         stream = stream + self.scaled(self.post_attention_layernorm(h))
-        h = self.mlp(self.pre_feedforward_layernorm(stream))
+        h = self._mlp(self.pre_feedforward_layernorm(stream), ctx)
         return self.scaled(self.post_feedforward_layernorm(h)), stream
+
+    def _mlp(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.mlp(h) if ctx.lora is None else self.mlp(h, ctx.lora)
 
 
 class DecoderForCausalLM(nn.Module):

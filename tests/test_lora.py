@@ -1,0 +1,151 @@
+"""LoRA adapters (engine/lora.py): tiny adapters made with `peft` (random non-zero B) on the
+tiny model; greedy tokens equal to peft's merged model's for each, a mixed batch (base + two
+adapters) equal to each request alone, over the dense and the int4 base; prefix-cache blocks
+kept apart per adapter; and the refusals that name the problem."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tritonserve.engine import LLM, InvalidRequestError, SamplingParams
+from tests.parity import assert_parity, hf_greedy
+from tests.test_engine_parity import mixed_prompts
+
+peft = pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base: str, folder, seed: int, rank: int = 8, rslora: bool = False,
+                 targets=TARGETS) -> tuple[str, str]:
+    """-> (the adapter folder, a folder with peft's merged model)."""
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                             init_lora_weights=False, use_rslora=rslora)
+    tuned = peft.get_peft_model(model, config)
+    with torch.no_grad():  # B random and larger than peft's init, so outputs differ visibly
+        for name, param in tuned.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    adapter = folder / f"adapter{seed}"
+    tuned.save_pretrained(adapter)
+    merged = folder / f"merged{seed}"
+    tuned.merge_and_unload().save_pretrained(merged, safe_serialization=True)
+    return str(adapter), str(merged)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("loras")
+    return [make_adapter(tiny_model, folder, seed, rank, rslora)
+            for seed, rank, rslora in ((1, 8, False), (2, 16, True))]
+
+
+def _modules(adapters) -> tuple[str, ...]:
+    return tuple(f"a{i}={adapter}" for i, (adapter, _) in enumerate(adapters))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_each_adapter_equals_peft_merged_and_a_mixed_batch_equals_alone(
+        tiny_model, adapters, quantization):
+    llm = LLM(tiny_model, dtype="float32", lora_modules=_modules(adapters),
+              quantization=quantization)
+    prompts = mixed_prompts(llm.tokenizer, count=3, seed=6)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    eos = set(llm.engine.eos_token_ids)
+    alone = {}
+    for i, (_, merged) in enumerate([(None, tiny_model)] + adapters):
+        name = None if i == 0 else f"a{i - 1}"
+        outs = llm.generate(prompts, greedy, lora=name)
+        alone[name] = [o.token_ids for o in outs]
+        if quantization == "none":
+            refs = hf_greedy(merged, prompts, 12, eos)
+            assert_parity(alone[name], refs)
+    assert alone["a0"] != alone[None] and alone["a1"] != alone[None]
+    # one batch: every prompt under the base and under each adapter, interleaved
+    names = [None, "a0", "a1"] * len(prompts)
+    mixed = llm.generate([p for p in prompts for _ in range(3)], greedy, lora=names)
+    for k, out in enumerate(mixed):
+        assert out.token_ids == alone[names[k]][k // 3], (k, names[k])
+
+
+def test_prefix_cache_blocks_are_kept_apart_per_adapter(tiny_model, adapters):
+    llm = LLM(tiny_model, dtype="float32", lora_modules=_modules(adapters))
+    prompt = mixed_prompts(llm.tokenizer, count=1, seed=9, shared_prefix="a b c d " * 12)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = llm.generate([prompt], greedy, lora="a0")[0].token_ids
+    stats = llm.engine.kv_cache.stats
+    before = stats.hit_tokens
+    base = llm.generate([prompt], greedy)[0].token_ids  # the base: no hit on a0's blocks
+    assert stats.hit_tokens == before and base != first
+    again = llm.generate([prompt], greedy, lora="a0")[0].token_ids  # a0 again: hits
+    assert stats.hit_tokens > before and again == first
+
+
+def test_refusals_name_the_problem(tiny_model, adapters, tmp_path):
+    adapter, _ = adapters[1]  # rank 16
+    with pytest.raises(InvalidRequestError, match="rank 16"):
+        LLM(tiny_model, lora_modules=(f"big={adapter}",), max_lora_rank=8)
+    with pytest.raises(InvalidRequestError, match="not a PEFT adapter"):
+        LLM(tiny_model, lora_modules=(f"gone={tmp_path / 'nothing'}",))
+    from tests.tiny_models import write_tiny_model
+    other = write_tiny_model(tmp_path / "other", hidden_size=32, intermediate_size=64)
+    with pytest.raises(InvalidRequestError, match="another base model"):
+        LLM(str(other), lora_modules=(f"wrong={adapter}",))
+    llm = LLM(tiny_model, lora_modules=_modules(adapters[:1]))
+    with pytest.raises(InvalidRequestError) as err:
+        llm.generate(["hi"], SamplingParams(max_tokens=2), lora="missing")
+    assert err.value.param == "model"
+
+
+def test_served_by_model_name(tiny_model, adapters):
+    """A request names an adapter by `model`; /v1/models lists it with its base; streams of
+    the base and of two adapters at once each get their own tokens."""
+    import json
+    import threading
+    from tritonserve.engine import LLMEngine
+    from tritonserve.engine.llm import build_config
+    from tests.server_util import ServerThread, request, sse_payloads
+    modules = _modules(adapters)
+    srv = ServerThread(LLMEngine(build_config(tiny_model, dtype="float32",
+                                              lora_modules=modules)))
+    try:
+        status, _, raw = request(srv.port, "GET", "/v1/models")
+        listed = {m["id"]: m.get("parent") for m in json.loads(raw)["data"]}
+        assert listed["a0"] == listed["a1"] == srv.engine.model_name
+        reference = LLM(tiny_model, dtype="float32", lora_modules=modules)
+        prompt = reference.tokenizer.encode("the quick brown fox")
+        greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        want = {name: reference.generate([prompt], greedy, lora=name)[0].token_ids
+                for name in (None, "a0", "a1")}
+        got = {}
+
+        def stream(name):
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "logprobs": 0}
+            if name:
+                body["model"] = name
+            status, _, raw = request(srv.port, "POST", "/v1/completions", body)
+            chunks = [c for c in sse_payloads(raw) if c != "[DONE]"]
+            got[name] = [t for c in chunks for t in (c["choices"][0]["logprobs"] or {}).get(
+                "tokens", [])]
+
+        threads = [threading.Thread(target=stream, args=(n,)) for n in (None, "a0", "a1")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        piece = srv.engine.tokenizer.decode
+        for name, ids in want.items():
+            assert got[name] == [piece([i]) for i in ids], name
+        status, _, raw = request(srv.port, "POST", "/v1/chat/completions", {
+            "model": "a1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert status == 200, raw
+        status, _, raw = request(srv.port, "POST", "/v1/completions", {
+            "model": "a9", "prompt": "hi", "max_tokens": 2})
+        assert status == 404 and "a0" in json.loads(raw)["error"]["message"]
+    finally:
+        srv.stop()
