@@ -47,6 +47,8 @@ setup(
                  # the clients of the Messages API, of loglikelihood evals and of N servers
                  # (tests/test_anthropic_messages.py, tests/test_lm_eval.py, tests/test_router.py)
                  "anthropic>=0.60", "lm-eval>=0.4.9", "sglang-router>=0.2",
-                 "vllm-router>=0.1.10"],
+                 "vllm-router>=0.1.10",
+                 # makes the LoRA adapters and their merged models (tests/test_lora.py)
+                 "peft>=0.15"],
     },
 )
