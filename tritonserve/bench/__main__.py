@@ -1,6 +1,6 @@
 """tritonserve bench {throughput,profile,kernels,serve,conformance,grammar,loading,
     engine-check,compile-probe,cpu-decode,cpu-linear,quant-accuracy,ab-trees,tp-cost,
-    bound,gguf-table,hostile,model-shape,priority,embed-share} ..."""
+    bound,gguf-table,hostile,model-shape,priority,embed-share,lora} ..."""
 from __future__ import annotations
 
 import importlib
@@ -27,6 +27,7 @@ COMMANDS = {
     "model-shape": "tritonserve.bench.model_shape",
     "priority": "tritonserve.bench.priority",
     "embed-share": "tritonserve.bench.embed_share",
+    "lora": "tritonserve.bench.lora",
 }
 
 
