@@ -149,3 +149,71 @@ def test_served_by_model_name(tiny_model, adapters):
         assert status == 404 and "a0" in json.loads(raw)["error"]["message"]
     finally:
         srv.stop()
+
+
+def test_load_serve_unload_load_again_with_streams_running(tiny_model, adapters):
+    import json
+    import threading
+    from tritonserve.engine import LLMEngine
+    from tritonserve.engine.llm import build_config
+    from tests.server_util import ServerThread, request, sse_payloads
+    adapter, _ = adapters[0]
+    srv = ServerThread(LLMEngine(build_config(tiny_model, dtype="float32")),
+                       allow_runtime_lora=True)
+    off = ServerThread(LLMEngine(build_config(tiny_model, dtype="float32")))
+    try:
+        status, _, _ = request(off.port, "POST", "/v1/load_lora_adapter",
+                               {"lora_name": "x", "lora_path": adapter})
+        assert status == 403
+        reference = LLM(tiny_model, dtype="float32", lora_modules=(f"x={adapter}",))
+        prompt = reference.tokenizer.encode("hello world")
+        greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        want = reference.generate([prompt], greedy, lora="x")[0].token_ids
+        ends = {}
+
+        def stream(name, model, tokens):
+            body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            if model:
+                body["model"] = model
+            status, _, raw = request(srv.port, "POST", "/v1/completions", body)
+            ends[name] = (status, sse_payloads(raw))
+
+        base = threading.Thread(target=stream, args=("base", None, 200))
+        base.start()  # a base stream runs throughout
+        status, _, raw = request(srv.port, "POST", "/v1/load_lora_adapter",
+                                 {"lora_name": "x", "lora_path": adapter})
+        assert status == 200, raw
+        status, _, raw = request(srv.port, "POST", "/v1/completions", {
+            "model": "x", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0})
+        tokens = json.loads(raw)["choices"][0]["logprobs"]["tokens"]
+        assert tokens == [srv.engine.tokenizer.decode([t]) for t in want]
+        busy = threading.Thread(target=stream, args=("x", "x", 150))
+        busy.start()
+        for _ in range(200):  # until the adapter's stream is running
+            if srv.engine.lora_users("x"):
+                break
+            threading.Event().wait(0.02)
+        status, _, raw = request(srv.port, "POST", "/v1/unload_lora_adapter",
+                                 {"lora_name": "x"})
+        assert status == 400 and "in use" in json.loads(raw)["error"]["message"]
+        busy.join(120)
+        status, _, raw = request(srv.port, "POST", "/v1/unload_lora_adapter",
+                                 {"lora_name": "x"})
+        assert status == 200, raw
+        status, _, raw = request(srv.port, "POST", "/v1/completions", {
+            "model": "x", "prompt": "hi", "max_tokens": 2})
+        assert status == 404
+        status, _, raw = request(srv.port, "POST", "/v1/load_lora_adapter",
+                                 {"lora_name": "x", "lora_path": adapter})
+        assert status == 200, raw
+        base.join(120)
+        for name in ("base", "x"):
+            status, chunks = ends[name]
+            assert status == 200 and chunks[-1] == "[DONE]"
+            assert chunks[-2]["choices"][0]["finish_reason"] == "length", name
+            assert not any("error" in c for c in chunks if c != "[DONE]")
+    finally:
+        srv.stop()
+        off.stop()

@@ -112,6 +112,12 @@ class LLMEngine:
         model = self.config.model
         return Path(model).stem if model and model.endswith(".gguf") else self.model_path.name
 
+    def lora_users(self, name: str) -> int:
+        """Requests running or queued here under that LoRA adapter (a snapshot: safe to take
+        from another thread)."""
+        return sum(1 for r in list(self._requests.values())
+                   if r.lora is not None and r.lora.name == name)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 

@@ -150,6 +150,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora-modules", nargs="+", default=list(e.lora_modules),
                    metavar="NAME=FOLDER", help="LoRA adapters (PEFT folders) served beside the "
                    "base; a request names one by `model`")
+    p.add_argument("--allow-runtime-lora", action="store_true", default=v.allow_runtime_lora,
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and "
+                   "unload adapters at run time (the body names a folder this server reads)")
     p.add_argument("--max-lora-rank", type=int, default=e.max_lora_rank,
                    help="the largest rank an adapter may have")
     p.add_argument("--pooling", default=e.pooling, choices=POOLING_CHOICES,

@@ -20,6 +20,7 @@ from .messages_api import count_tokens, error_dialect, messages
 from .metrics import Metrics
 from .responses_api import add_routes as add_responses_routes
 from .routes_cluster import add_routes as add_cluster_routes
+from .routes_lora import add_routes as add_lora_routes
 from .operators import api_key, cors
 from .routes_native import generate
 from .routes_openai import chat_completions, completions, models
@@ -134,6 +135,7 @@ def build_app(engine: LLMEngine | EngineDoor, config: ServerConfig = ServerConfi
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
     add_responses_routes(app, config.responses_store)
     add_cluster_routes(app)
+    add_lora_routes(app)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)

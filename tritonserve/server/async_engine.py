@@ -22,12 +22,15 @@ exits non-zero so that a supervisor restarts it.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import os
 import threading
 import time
 
 from tritonserve.engine import EngineDeadError, InvalidRequestError, LLMEngine, SamplingParams
+from tritonserve.engine.lora import load_adapter
 from tritonserve.engine.structured import StructuredOutput
 
 from .engine_card import EngineStats, EngineView, card_of, stats_of
@@ -67,6 +70,33 @@ class AsyncEngine(EngineDoor):
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         return self.engine.validate(prompt_token_ids, params)  # reads configuration only
+
+    async def load_lora(self, name: str, folder: str) -> None:
+        """Read and checked on a worker thread; then the engine thread finds it by name
+        (LLMEngine.loras, one dict assignment) and the card lets requests name it."""
+        if name in self.card.loras or name in self.card.names():
+            raise InvalidRequestError("lora_name", f"{name!r} is already served")
+        engine = self.engine
+        adapter = await asyncio.to_thread(load_adapter, name, folder, engine.arch,
+                                          engine.config.max_lora_rank)
+        engine.loras[name] = adapter
+        self.card = dataclasses.replace(self.card, loras=(*self.card.loras, name))
+
+    async def unload_lora(self, name: str) -> None:
+        """The card forgets it first (new requests get 404), then no request may hold it:
+        one still running or queued puts it back and refuses."""
+        card = self.card
+        if name not in card.loras:
+            raise InvalidRequestError("lora_name", f"no adapter {name!r} is loaded")
+        self.card = dataclasses.replace(card, loras=tuple(n for n in card.loras if n != name))
+        with self.hub.lock:  # the engine thread admits the inbox under it: one snapshot
+            users = self.hub.queued_with_lora(name) + self.engine.lora_users(name)
+            if not users:
+                self.engine.loras.pop(name, None)
+        if users:
+            self.card = card
+            raise InvalidRequestError("lora_name", f"{name!r} is in use by {users} "
+                                      "request(s): unload it once they end")
 
     def make_grammar(self, spec: StructuredOutput):
         """On a grammar worker: the compiled grammar (server/dp_engine.py sends the parsed

@@ -33,6 +33,8 @@ class ServerConfig:
     # server/responses_api.py: Responses kept in memory for GET and previous_response_id
     # (least recently used dropped first)
     responses_store: int = 1024
+    # server/routes_lora.py: POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer
+    allow_runtime_lora: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_waiting", "max_body_bytes", "data_parallel_size", "responses_store"):

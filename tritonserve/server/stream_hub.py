@@ -134,6 +134,10 @@ class StreamHub:
         self._inbox, self._aborts, self._failures = [], [], []
         return taken
 
+    def queued_with_lora(self, name: str) -> int:
+        """Requests in the inbox (not yet in the engine) under that adapter; hold the lock."""
+        return sum(1 for new in self._inbox if new.lora == name)
+
     def post(self, steps: list[GenerationStep], failure: StreamFailure | None,
              failed_ids: list[str]) -> None:
         """Steps to their streams, and `failure` to the `failed_ids`' streams, on the loop."""
@@ -236,6 +240,17 @@ class EngineDoor:
         self._thread.start()
 
     # ---- the host half --------------------------------------------------------------------
+    async def load_lora(self, name: str, folder: str) -> None:
+        """Serves a LoRA adapter from now on (server/routes_lora.py)."""
+        raise InvalidRequestError("lora_name", "adapters cannot be loaded at run time by "
+                                  "this host (--data-parallel-size > 1): start with "
+                                  "--lora-modules")
+
+    async def unload_lora(self, name: str) -> None:
+        """Stops serving an adapter no request uses (refused while one does)."""
+        raise InvalidRequestError("lora_name", "adapters cannot be unloaded at run time by "
+                                  "this host (--data-parallel-size > 1)")
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         raise NotImplementedError
 
