@@ -50,11 +50,30 @@ class LoraPart:
     offset: int  # its first output column in the fused projection
 
 
+@dataclass(frozen=True)
+class LoraGroup:
+    """A fused projection's parts: their A stacked ([sum r, in]: one matmul for q, k and v),
+    each B with its slice of the stacked ranks and its output columns."""
+
+    a: torch.Tensor
+    bs: tuple[tuple[torch.Tensor, int, int, int], ...]  # (B, rank start, rank end, offset)
+
+    @classmethod
+    def of(cls, parts: list[LoraPart]) -> "LoraGroup":
+        bs, start = [], 0
+        for part in parts:
+            rank = part.a.shape[0]
+            bs.append((part.b, start, start + rank, part.offset))
+            start += rank
+        return cls(torch.cat([p.a for p in parts]).contiguous(), tuple(bs))
+
+
 @dataclass
 class LoraAdapter:
     name: str
     rank: int
     parts: dict[tuple[int, str], list[LoraPart]] = field(default_factory=dict)
+    groups: dict[tuple[int, str], LoraGroup] = field(default_factory=dict)
 
     @property
     def cache_salt(self) -> bytes:
@@ -107,6 +126,7 @@ def load_adapter(name: str, folder: str | Path, arch: ModelArch,
                   f"(A [{rank}, {in_sizes[group]}], B [{rows}, {rank}]): another base model?")
         adapter.parts.setdefault((layer, group), []).append(
             LoraPart(a.contiguous(), (b * scale).contiguous(), offset))
+    adapter.groups = {key: LoraGroup.of(parts) for key, parts in adapter.parts.items()}
     return adapter
 
 
@@ -114,19 +134,19 @@ def load_adapter(name: str, folder: str | Path, arch: ModelArch,
 class LoraBatch:
     """A step's adapters: (adapter, the hidden-state rows of its requests)."""
 
-    groups: tuple[tuple[LoraAdapter, torch.Tensor], ...]
+    groups: tuple[tuple[LoraAdapter, torch.Tensor | slice], ...]  # rows: a slice if in a run
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> None:
-        """out[rows, offset:offset + n] += x[rows] @ A.T @ B.T for each adapter's part."""
+        """out[rows, offset:offset + n] += x[rows] @ A.T @ B.T for each adapter's part (the
+        group's A in one matmul)."""
         for adapter, rows in self.groups:
-            parts = adapter.parts.get((layer, group))
-            if not parts:
+            stacked = adapter.groups.get((layer, group))
+            if stacked is None:
                 continue
-            xs = x[rows].float()
-            for part in parts:
-                delta = (xs @ part.a.T) @ part.b.T
-                end = part.offset + part.b.shape[0]
-                out[rows, part.offset:end] += delta.to(out.dtype)
+            xa = x[rows].float() @ stacked.a.T  # [rows, sum r]
+            for b, start, end, offset in stacked.bs:
+                # a slice of rows adds in place into the view; index rows scatter back
+                out[rows, offset:offset + b.shape[0]] += (xa[:, start:end] @ b.T).to(out.dtype)
 
 
 def batch_of(adapters: list[LoraAdapter | None], rows_per: list[int]) -> LoraBatch | None:
@@ -142,5 +162,11 @@ def batch_of(adapters: list[LoraAdapter | None], rows_per: list[int]) -> LoraBat
             rows.setdefault(adapter.name, []).extend(range(start, start + count))
             by_name[adapter.name] = adapter
         start += count
-    return LoraBatch(tuple((by_name[name], torch.tensor(r, dtype=torch.long))
-                           for name, r in rows.items()))
+    return LoraBatch(tuple((by_name[name], _rows(r)) for name, r in rows.items()))
+
+
+def _rows(rows: list[int]) -> torch.Tensor | slice:
+    """A run of consecutive rows as a slice (a view, no gather), else an index tensor."""
+    if rows[-1] - rows[0] + 1 == len(rows):
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, dtype=torch.long)
