@@ -217,3 +217,22 @@ def test_load_serve_unload_load_again_with_streams_running(tiny_model, adapters)
     finally:
         srv.stop()
         off.stop()
+
+
+def test_speculation_and_a_grammar_keep_working_under_an_adapter(tiny_model, adapters):
+    from tests.test_speculative import REPEATS, SPEC
+    modules = _modules(adapters)
+    plain = LLM(tiny_model, dtype="float32", lora_modules=modules)
+    spec = LLM(tiny_model, dtype="float32", lora_modules=modules, **SPEC)
+    prompts = [plain.tokenizer.encode(p) for p in REPEATS]
+    prompt = prompts[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for name in ("a0", "a1"):
+        want = [o.token_ids for o in plain.generate(prompts, greedy, lora=name)]
+        assert [o.token_ids for o in spec.generate(prompts, greedy, lora=name)] == want
+    assert spec.engine.spec_stats.proposed > 0  # it did speculate
+    from tritonserve.engine.structured import StructuredOutput
+    choice = SamplingParams(temperature=0.0, max_tokens=20, structured=StructuredOutput(
+        "choice", '["alpha", "beta"]', "guided_choice"))
+    text = plain.generate([prompt], choice, lora="a1")[0].text
+    assert text in ("alpha", "beta")
