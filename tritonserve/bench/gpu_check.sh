@@ -29,7 +29,7 @@ else
   export TRITON_INTERPRET=0
   where=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)
   tests=(tests/test_kernels_attention.py tests/test_kernels_sampling.py
-         tests/test_kernels_fused.py tests/test_kernels_moe.py)
+         tests/test_kernels_fused.py tests/test_kernels_moe.py tests/test_kernels_lora.py)
   # Triton's compiles are CPU work: one process took ~310 s for these and the engine tests on
   # an H200 machine (test_mixed_rows_in_one_batch alone 67 s); pytest-xdist spreads the kernel
   # tests over the cores. The engine tests stay in one process: each engine takes 0.9 of the

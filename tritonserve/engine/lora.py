@@ -13,8 +13,10 @@ and the decode graphs take no adapter: engine/model_runner.py); a request's KV c
 are keyed by its adapter (Request.cache_salt), so an adapter never reads the base model's
 cached prefix nor another adapter's.
 
-Not yet: Triton / C++ kernels (SGMV / BGMV), adapters in the layers op, tensor parallelism,
-mixture-of-experts layers, loading at run time, llama.cpp's GGUF LoRA files.
+Not yet: the engine calling kernels/triton/lora.py's shrink / expand on CUDA (they are
+tested, not wired), a C++ path and adapters in the layers op, tensor parallelism,
+mixture-of-experts layers, llama.cpp's GGUF LoRA files. Loading at run time:
+server/routes_lora.py.
 """
 from __future__ import annotations
 

@@ -314,3 +314,21 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: t
         y = h @ down[e].to(x.dtype).t()
         out.index_add_(0, token, y.float() * weights[token, slot].float().unsqueeze(1))
     return out.to(x.dtype)
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """x [T, K], a [S, R, K], slots [T] (-1: no adapter) -> x @ a[slot].T per row, fp32 [T, R]
+    (zeros where -1): kernels/triton/lora.py's contract."""
+    out = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    rows = slots >= 0
+    out[rows] = torch.einsum("tk,trk->tr", x[rows].float(), a[slots[rows].long()].float())
+    return out
+
+
+def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                offset: int = 0) -> None:
+    """y[t, offset:offset + N] += xa[t] @ b[slot[t]].T for rows with a slot, in place."""
+    rows = slots >= 0
+    n = b.shape[1]
+    delta = torch.einsum("tr,tnr->tn", xa[rows], b[slots[rows].long()].float())
+    y[rows, offset:offset + n] += delta.to(y.dtype)

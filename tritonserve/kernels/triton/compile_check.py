@@ -21,6 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from .decode_attention import MAX_SPLITS, _decode_kernel, _merge_splits_kernel  # noqa: E402
 from .fused_moe import _moe_gemm_kernel  # noqa: E402
 from .kv_cache_write import _store_kv_kernel  # noqa: E402
+from .lora import _expand_kernel, _shrink_kernel  # noqa: E402
 from .prefill_attention import _prefill_kernel, tuning_space  # noqa: E402
 from .quant_matmul import KINDS, _quant_matmul_kernel, block_shape, kernel_args  # noqa: E402
 from .sampling import _BISECTION_STEPS, _ONE_BITS_PLUS_ONE, _sample_kernel  # noqa: E402
@@ -28,7 +29,9 @@ from .sampling import _BISECTION_STEPS, _ONE_BITS_PLUS_ONE, _sample_kernel  # no
 I32_ARGS = ("stride_qs", "stride_qh", "stride_bts", "stride_cb", "stride_ct", "stride_ch",
             "stride_os", "stride_oh", "stride_qt", "stride_ot", "stride_kt", "stride_vt",
             "stride", "B", "V", "M", "N", "K", "stride_xm", "stride_om", "valid",
-            "stride_am", "stride_we", "stride_wn", "stride_wk", "expert_bytes")
+            "stride_am", "stride_we", "stride_wn", "stride_wk", "expert_bytes",
+            "R", "offset", "stride_x", "stride_a_slot", "stride_a_r", "stride_out",
+            "stride_xa", "stride_b_slot", "stride_b_n", "stride_y")
 
 
 def _signature(fn, pointers: dict[str, str], scalars: dict[str, str],
@@ -118,6 +121,13 @@ def variants():
                        {}, dict(**args, A_DIVISOR=divisor, MUL_WEIGHT=weighted,
                                 BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32, FP32=False,
                                 PRECISION="tf32"), {})
+    for dtype in ("bf16", "fp16"):  # LoRA's shrink and expand (punica's BGMV shape)
+        yield (f"lora_shrink {dtype}", _shrink_kernel,
+               {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "slot_ptr": "*i32",
+                "out_ptr": "*fp32"}, {}, dict(BLOCK_R=16, BLOCK_K=64), {})
+        yield (f"lora_expand {dtype}", _expand_kernel,
+               {"xa_ptr": "*fp32", "b_ptr": f"*{dtype}", "slot_ptr": "*i32",
+                "y_ptr": f"*{dtype}"}, {}, dict(BLOCK_N=64, BLOCK_R=16), {})
     for rows, block_v in ((1, 4096), (16, 1024)):
         yield (f"sample rows{rows} chunk{block_v}", _sample_kernel,
                {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "top_k_ptr": "*i32",
