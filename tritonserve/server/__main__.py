@@ -147,7 +147,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--responses-store", type=int, default=v.responses_store,
                    help="responses kept in memory for GET /v1/responses/{id} and "
                    "previous_response_id (the least recently used dropped first)")
-    p.add_argument("--lora-modules", nargs="+", default=list(e.lora_modules),
+    p.add_argument("--lora-modules", nargs="+", default=e.lora_modules,
                    metavar="NAME=FOLDER", help="LoRA adapters (PEFT folders) served beside the "
                    "base; a request names one by `model`")
     p.add_argument("--allow-runtime-lora", action="store_true", default=v.allow_runtime_lora,
