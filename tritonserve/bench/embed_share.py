@@ -12,24 +12,16 @@ Prints both TPOTs, their ratio, and the embedding rate.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import statistics
 import threading
 import time
-from urllib.parse import urlsplit
+
+from .hostile import Client
 
 
 def _post(url: str, path: str, body: dict) -> tuple[int, bytes]:
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=3600)
-    try:
-        conn.request("POST", path, body=json.dumps(body),
-                     headers={"Content-Type": "application/json"})
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
+    return Client(url, timeout=3600).call("POST", path, json.dumps(body).encode())
 
 
 def _tpot(url: str, tokens: int, i: int) -> float:

@@ -16,7 +16,6 @@ compute every prompt token (no prefix cache), "last" only needs the last one.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,12 +64,12 @@ def _read(path: Path):
 
 
 def finish(vector, normalize: bool, dimensions: int | None = None) -> list[float]:
-    """The pooled vector as served: truncated to `dimensions`, then L2-normalised."""
-    values = list(vector[:dimensions] if dimensions else vector)
+    """The pooled vector as served: truncated to `dimensions`, then L2-normalised (in torch:
+    the embeddings route runs this on the event loop for up to --max-waiting inputs)."""
+    values = torch.tensor(vector[:dimensions] if dimensions else vector, dtype=torch.float64)
     if normalize:
-        norm = math.sqrt(sum(v * v for v in values)) or 1.0
-        values = [v / norm for v in values]
-    return values
+        values = values / (values.norm() or 1.0)
+    return values.tolist()
 
 
 # ---- in the runner -------------------------------------------------------------------------
