@@ -101,3 +101,80 @@ def test_priority_is_checked_and_reaches_the_server(server):
     status, _, raw = request(server.port, "POST", "/v1/completions", {
         "prompt": "hi", "max_tokens": 2, "priority": "high"})
     assert status == 400 and json.loads(raw)["error"]["param"] == "priority"
+
+
+def _scheduled(engine, tokens: dict | None = None) -> dict[str, int]:
+    """One step; -> {request id: tokens it computed} (from the scheduler's own output); the
+    tokens drawn go to `tokens`."""
+    scheduler, seen = engine.scheduler, {}
+    schedule = scheduler.schedule
+    try:
+        def spy():
+            out = schedule()
+            seen.update({s.request.request_id: s.num_new_tokens for s in out.scheduled})
+            return out
+        scheduler.schedule = spy
+        for step in engine.step():
+            if step.token is not None and tokens is not None:
+                tokens.setdefault(step.request_id, []).append(step.token.token_id)
+    finally:
+        scheduler.schedule = schedule
+    return seen
+
+
+def test_after_an_urgent_arrival_worse_rows_take_turns_within_the_cap(tiny_model):
+    """priority_step_tokens: for the window after a priority -1 arrival, a step computes at
+    most 4 tokens of worse priority, the least recently run first (each of 10 low streams
+    decodes once in every 3 steps), and their outputs are those they have alone."""
+    engine = LLMEngine(build_config(tiny_model, priority_step_tokens=4))
+    ids = engine.tokenize("once upon a time in a small town")
+    alone = LLMEngine(build_config(tiny_model))
+    alone.add_request(ids, SamplingParams(max_tokens=24, **GREEDY), "ref")
+    reference = run(alone)[0]["ref"]
+    for i in range(10):
+        engine.add_request(ids, SamplingParams(max_tokens=24, priority=3, **GREEDY), f"low{i}")
+    got, _ = run(engine, until=lambda firsts: len(firsts) == 10)  # no cap yet: one step
+    assert engine.scheduler.priority_step_tokens == 4
+    urgent = engine.tokenize("a different question entirely")  # no cached prefix
+    engine.add_request(urgent, SamplingParams(max_tokens=2, priority=-1, **GREEDY), "urgent")
+    assert _scheduled(engine, got) == {"urgent": len(urgent)}  # the step admitting it: alone
+    last_ran: dict[str, int] = {}
+    for step in range(1, 13):
+        seen = _scheduled(engine, got)
+        low = {k: v for k, v in seen.items() if k.startswith("low")}
+        assert sum(low.values()) <= 4 and len(low) == 4, seen
+        for name in low:  # a turn each, in rotation: none runs twice within 3 steps
+            assert step - last_ran.get(name, -9) >= 2, (name, step, last_ran)
+            last_ran[name] = step
+    assert set(last_ran) == {f"low{i}" for i in range(10)}
+    rest, _ = run(engine)
+    for name, toks in rest.items():
+        got.setdefault(name, []).extend(toks)
+    for i in range(10):
+        assert got[f"low{i}"] == reference, i
+    assert engine.kv_cache.num_used_blocks == 0
+
+
+def test_no_cap_without_mixed_priorities_or_after_the_window(tiny_model):
+    ids = list(range(5, 25))
+    same = LLMEngine(build_config(tiny_model, priority_step_tokens=4))
+    for i in range(10):  # one priority, if not 0: nothing is urgent against another
+        same.add_request(ids, SamplingParams(max_tokens=5, priority=2, **GREEDY), f"r{i}")
+    _scheduled(same)
+    assert len(_scheduled(same)) == 10
+    late = LLMEngine(build_config(tiny_model, priority_step_tokens=4, priority_window_s=0))
+    late.add_request(ids, SamplingParams(max_tokens=2, priority=-1, **GREEDY), "urgent")
+    for i in range(10):
+        late.add_request(ids, SamplingParams(max_tokens=5, priority=2, **GREEDY), f"r{i}")
+    assert len(_scheduled(late)) == 11  # the window is over at once: every row runs
+
+
+def test_the_cap_is_the_cpus_by_default_and_checked():
+    from tritonserve.engine.config import SchedulerConfig
+    assert SchedulerConfig().step_tokens_under_priority("cpu") == 8
+    assert SchedulerConfig().step_tokens_under_priority("cuda") is None
+    assert SchedulerConfig(priority_step_tokens=32).step_tokens_under_priority("cuda") == 32
+    with pytest.raises(ValueError, match="priority_step_tokens"):
+        SchedulerConfig(priority_step_tokens=0)
+    with pytest.raises(ValueError, match="priority_window_s"):
+        SchedulerConfig(priority_window_s=-1)

@@ -70,6 +70,21 @@ class SchedulerConfig:
     # was 1434 ms with the whole 2048-token budget theirs, 582 ms at 256 (19 ms alone; docs/
     # benchmarks.md, "Embeddings beside generation")
     max_prompt_only_tokens: int = 256
+    # for priority_window_s after a request of priority p arrives, a step computes at most this
+    # many tokens of worse priority (running requests first, least recently run first; new
+    # ones wait), so a request arriving then waits for a short step in flight, not a full one.
+    # None: 8 on the CPU, where a step's time grows with its rows (SmolLM2 Q4_1, 2 cores: 9 ms
+    # at 1 row, 23 at 8, 168 at 64; beside 64 low streams the probe's TTFT was 1.6x idle at
+    # 8, 2.5x at 16, 5.8x uncapped; docs/benchmarks.md, "Priority under a full cache"); no
+    # cap on CUDA, where 64 rows cost about what 8 do
+    priority_step_tokens: int | None = None
+    priority_window_s: float = 30.0
+
+    def step_tokens_under_priority(self, device: str) -> int | None:
+        """priority_step_tokens on `device` (None: no cap)."""
+        if self.priority_step_tokens is not None:
+            return self.priority_step_tokens
+        return 8 if device == "cpu" else None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -77,6 +92,10 @@ class SchedulerConfig:
         if self.max_prompt_only_tokens < 1:
             raise ValueError(f"max_prompt_only_tokens must be >= 1, got "
                              f"{self.max_prompt_only_tokens}")
+        if self.priority_step_tokens is not None and self.priority_step_tokens < 1:
+            raise ValueError(f"priority_step_tokens must be >= 1, got {self.priority_step_tokens}")
+        if self.priority_window_s < 0:
+            raise ValueError(f"priority_window_s must be >= 0, got {self.priority_window_s}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

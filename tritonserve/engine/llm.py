@@ -14,8 +14,7 @@ from .sampling_params import SamplingParams
 
 _CACHE_KEYS = {"block_size", "num_blocks", "cache_bytes", "gpu_memory_utilization",
                "enable_prefix_caching"}
-_SCHEDULER_KEYS = {"max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                   "max_prompt_only_tokens"}
+_SCHEDULER_KEYS = {f.name for f in fields(SchedulerConfig)}
 # flat names (vLLM's where it has them) -> SpeculativeConfig fields
 _SPECULATIVE_KEYS = {"speculative_method": "method", "num_speculative_tokens":
                      "num_speculative_tokens", "ngram_min": "ngram_min",

@@ -35,6 +35,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    last_step: int = 0  # the scheduler's step count when it last ran (engine/scheduler.py)
     prefill_after: Request | None = None  # a sibling whose prompt prefill this one waits for
     matcher: object | None = None  # xgrammar GrammarMatcher of a structured request
     held_matcher: object | None = None  # the matcher until params.structured_after appears

@@ -21,7 +21,11 @@ that finds no room (the cache full, or max_num_seqs running) preempts running re
 strictly lower priority until it fits; and the step that admits it leaves those requests out
 (they lose one step), so its first token is not behind their decode rows: beside 64 streams of
 SmolLM2 on 2 cores that step took 150 ms with them and 37 ms without (docs/benchmarks.md,
-"Priority"). Equal priorities behave exactly as FCFS.
+"Priority"). Equal priorities behave exactly as FCFS. What is left is the step in flight when
+it arrives: for priority_window_s after a request of priority p arrives, a step computes at most
+priority_step_tokens tokens of worse priority (running requests least recently run first, the
+rest to waiting ones), so the next such request waits for a short step (on the CPU a step's
+time grows with its rows).
 """
 from __future__ import annotations
 
@@ -67,7 +71,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  proposer: NgramProposer | None = None, speculate_below: int = 0,
                  max_model_len: int = 0, max_rows: int = 1 << 30,
-                 min_acceptance: float = 0.0) -> None:
+                 min_acceptance: float = 0.0, priority_step_tokens: int | None = None
+                 ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.proposer = proposer
@@ -77,18 +82,27 @@ class Scheduler:
         # run other weights (engine/plan.py) than the same step without proposals
         self.max_rows = max_rows
         self.min_acceptance = min_acceptance
+        self.priority_step_tokens = priority_step_tokens  # None: no cap (config.py)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prioritized = False  # a request with a priority other than 0 has come
+        self.step_count = 0
+        # (p, until): a request of priority p arrived lately; rows worse than p are capped
+        self._urgent: tuple[int, float] | None = None
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
-        if request.params.priority:
+        priority = request.params.priority
+        if priority:
             self.prioritized = True  # from now on the priority checks run (cheap otherwise)
+        if self.prioritized:
+            now = time.perf_counter()
+            if self._urgent is None or priority <= self._urgent[0] or now > self._urgent[1]:
+                self._urgent = (priority, now + self.config.priority_window_s)
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
@@ -120,6 +134,8 @@ class Scheduler:
         head = self.waiting[0] if self.waiting and self.prioritized else None
         outranked_by = head.params.priority if head is not None \
             and not head.waits_for_sibling else None  # running requests it outranks wait
+        self.step_count += 1
+        capped = self._capped()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -128,7 +144,9 @@ class Scheduler:
                 continue
             num_new = self._share(request, min(
                 request.num_tokens - request.num_computed_tokens, budget))
-            if num_new == 0:  # an embedding or scoring chunk past its share this step
+            if capped is not None and request.params.priority > capped[0]:
+                num_new = min(num_new, capped[1].get(request, 0))  # priority_step_tokens
+            if num_new == 0:  # past its share this step (prompt-only, priority_step_tokens)
                 index += 1
                 continue
             proposals: tuple[int, ...] = ()
@@ -165,6 +183,9 @@ class Scheduler:
                 break
             outranks = self.prioritized and any(
                 r.params.priority > request.params.priority for r in self.running)
+            worse = capped is not None and request.params.priority > capped[0]
+            if worse and capped[2] == 0:
+                break  # priority_step_tokens spent: the queue behind waits too
             if pressure and not outranks:
                 break
             fits = False
@@ -173,6 +194,8 @@ class Scheduler:
                 num_cached_tokens = len(cached) * self.kv_cache.block_size
                 num_new = self._share(request, min(request.num_tokens - num_cached_tokens,
                                                    budget))
+                if worse:
+                    num_new = min(num_new, capped[2])
                 if num_new == 0:  # the prompt-only share is spent: the queue waits a step
                     break
                 fits = self.kv_cache.allocate(request, num_new, cached)
@@ -190,8 +213,33 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(ScheduledRequest(request, num_cached_tokens, num_new))
             budget -= num_new
+            if worse:
+                capped = (capped[0], capped[1], capped[2] - num_new)
 
+        for entry in scheduled:
+            entry.request.last_step = self.step_count
         return SchedulerOutput(scheduled, preempted)
+
+    def _capped(self) -> tuple[int, dict[Request, int], int] | None:
+        """None, or while a request of priority p arrived within priority_window_s: (p, the
+        tokens each running request of worse priority may compute this step, the tokens left
+        for waiting ones): priority_step_tokens in all, running requests first, least
+        recently run first."""
+        if self._urgent is None or self.priority_step_tokens is None:
+            return None
+        priority, until = self._urgent
+        if time.perf_counter() > until:
+            self._urgent = None
+            return None
+        worse = sorted((r for r in self.running if r.params.priority > priority),
+                       key=lambda r: r.last_step)  # stable: the earlier admitted among equals
+        left, allowed = self.priority_step_tokens, {}
+        for request in worse:
+            if left == 0:
+                break
+            allowed[request] = min(left, request.num_tokens - request.num_computed_tokens)
+            left -= allowed[request]
+        return priority, allowed, left
 
     def _share(self, request: Request, num_new: int) -> int:
         """num_new, or for a request that computes only its prompt (max_tokens 0: an

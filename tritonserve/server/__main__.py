@@ -72,6 +72,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prompt-only-tokens", type=int, default=q.max_prompt_only_tokens,
                    help="while a request decodes, the tokens of a step that embedding and "
                    "scoring requests (max_tokens 0) may take")
+    p.add_argument("--priority-step-tokens", type=int, default=q.priority_step_tokens,
+                   help="for --priority-window-s after a request of priority p arrives, the "
+                   "tokens of worse priority a step computes (default: 8 on the CPU, no cap "
+                   "on CUDA)")
+    p.add_argument("--priority-window-s", type=float, default=q.priority_window_s)
     p.add_argument("--attention-backend", default=e.attention_backend, choices=backends)
     p.add_argument("--sampler-backend", default=e.sampler_backend, choices=backends)
     p.add_argument("--load-format", default=e.load_format, choices=["safetensors", "dummy"])
@@ -198,6 +203,7 @@ def engine_config(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_prompt_only_tokens=args.max_prompt_only_tokens,
+        priority_step_tokens=args.priority_step_tokens, priority_window_s=args.priority_window_s,
         attention_backend=args.attention_backend, sampler_backend=args.sampler_backend,
         load_format=args.load_format, quantization=args.quantization,
         decode_mode=args.decode_mode, tensor_parallel_size=args.tensor_parallel_size,
