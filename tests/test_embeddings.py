@@ -194,3 +194,37 @@ def test_prompt_only_requests_take_their_share_of_a_step(tiny_model):
     embed = [n for step in chunks for rid, n in step if rid == "embed"]
     assert sum(embed) == 150 and max(embed) == 32, embed
     assert all(any(rid == "stream" for rid, _ in step) for step in chunks[:len(embed)])
+
+
+def test_prompt_only_requests_take_their_share_of_the_time(tiny_model):
+    """prompt_only_share 0.5: a step with embedding tokens comes only once the decode steps
+    since the last one have taken as long as it did. Steps are given fixed costs here (4 with
+    embedding tokens, 1 without), so the pattern is exact: four decode-only steps between
+    two embedding steps; with share 1 (no time rule) none."""
+    from tritonserve.engine import LLMEngine
+    from tritonserve.engine.llm import build_config
+
+    def pattern(share: float) -> str:
+        engine = LLMEngine(build_config(tiny_model, max_prompt_only_tokens=16,
+                                        prompt_only_share=share))
+        scheduler, marks = engine.scheduler, []
+        account = scheduler.account
+
+        def fixed_cost(schedule, seconds):
+            embeds = any(s.request.params.max_tokens == 0 for s in schedule.scheduled)
+            marks.append("E" if embeds else "d")
+            account(schedule, 4.0 if embeds else 1.0)
+
+        scheduler.account = fixed_cost
+        engine.add_request(engine.tokenize("a stream")[:4],
+                           SamplingParams(max_tokens=40, ignore_eos=True), "stream")
+        engine.step()  # its prefill: it decodes from now on
+        marks.clear()
+        other = engine.tokenize("a prompt no cached block holds, for the share " * 12)[:64]
+        engine.add_request(other, SamplingParams(max_tokens=0, pooling="last"), "embed")
+        while "embed" in engine._requests:
+            engine.step()
+        return "".join(marks)
+
+    assert pattern(1.0) == "EEEE"  # 64 tokens, 16 a step, back to back
+    assert pattern(0.5) == "E" + "ddddE" * 3

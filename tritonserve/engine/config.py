@@ -66,10 +66,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     # while a request decodes, the tokens of a step that requests computing only their prompt
-    # (embeddings, scoring: max_tokens 0) may take: beside embedding batches 4 streams' TPOT
-    # was 1434 ms with the whole 2048-token budget theirs, 582 ms at 256 (19 ms alone; docs/
-    # benchmarks.md, "Embeddings beside generation")
-    max_prompt_only_tokens: int = 256
+    # (embeddings, scoring: max_tokens 0) may take: what one such step stalls the streams for
+    # (256 tokens: ~0.55 s on 2 cores, 64: ~0.14 s), and the share of the engine's time they
+    # may take then: a step with their tokens comes only once the decode steps since the last
+    # one have earned its time (1.0: no time rule). Beside embedding batches 4 streams' TPOT
+    # was 29x alone with the cap at 256 and no time rule, 2.0x with the share at 0.5, 1.8x at
+    # 64 tokens (embeddings 372, 330, 305 tokens/s; docs/benchmarks.md, "Embeddings beside
+    # generation")
+    max_prompt_only_tokens: int = 64
+    prompt_only_share: float = 0.5
     # for priority_window_s after a request of priority p arrives, a step computes at most this
     # many tokens of worse priority (running requests first, least recently run first; new
     # ones wait), so a request arriving then waits for a short step in flight, not a full one.
@@ -92,6 +97,9 @@ class SchedulerConfig:
         if self.max_prompt_only_tokens < 1:
             raise ValueError(f"max_prompt_only_tokens must be >= 1, got "
                              f"{self.max_prompt_only_tokens}")
+        if not 0 < self.prompt_only_share <= 1:
+            raise ValueError(f"prompt_only_share must be in (0, 1], got "
+                             f"{self.prompt_only_share}")
         if self.priority_step_tokens is not None and self.priority_step_tokens < 1:
             raise ValueError(f"priority_step_tokens must be >= 1, got {self.priority_step_tokens}")
         if self.priority_window_s < 0:

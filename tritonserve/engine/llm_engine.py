@@ -234,6 +234,7 @@ class LLMEngine:
         schedule = self.scheduler.schedule()
         if schedule.empty:
             return
+        started = time.perf_counter()
         try:
             sampled = self.runner.execute(schedule)
         except Exception as exc:  # noqa: BLE001 - fail this batch, or the engine
@@ -246,6 +247,7 @@ class LLMEngine:
             return
         self._failed_steps = 0
         now = time.perf_counter()
+        self.scheduler.account(schedule, now - started)
         for s in schedule.scheduled:
             request = s.request
             try:

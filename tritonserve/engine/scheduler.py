@@ -4,7 +4,9 @@ There are no separate prefill and decode phases: every running request asks for 
 has not computed yet (a whole prompt, a chunk of it, or the one token sampled last step), and
 the scheduler hands out the budget first to running requests, then to waiting ones in arrival
 order. Requests that compute only their prompt (embeddings, scoring) take at most
-max_prompt_only_tokens of a step while another request decodes. A failed block allocation is
+max_prompt_only_tokens of a step while another request decodes, and at most prompt_only_share
+of the engine's time: a step with their tokens comes once the decode steps since the last one
+have earned its time (account(), called after every step). A failed block allocation is
 the single back-pressure signal: it preempts the most recently arrived running request (its
 blocks are freed and it is recomputed later). The choices of an n > 1 request wait until their
 first sibling has computed the shared prompt, then take its full blocks from the prefix cache:
@@ -90,6 +92,10 @@ class Scheduler:
         self.step_count = 0
         # (p, until): a request of priority p arrived lately; rows worse than p are capped
         self._urgent: tuple[int, float] | None = None
+        # prompt_only_share: seconds of prompt-only work earned (< 0: owed) while one decodes
+        self._prompt_only_credit = 0.0
+        self._num_prompt_only = 0  # unfinished requests with max_tokens 0
+        self._decoding = False  # this step's: some request decodes
 
     @property
     def has_unfinished(self) -> bool:
@@ -99,6 +105,8 @@ class Scheduler:
         priority = request.params.priority
         if priority:
             self.prioritized = True  # from now on the priority checks run (cheap otherwise)
+        if request.params.max_tokens == 0:
+            self._num_prompt_only += 1
         if self.prioritized:
             now = time.perf_counter()
             if self._urgent is None or priority <= self._urgent[0] or now > self._urgent[1]:
@@ -121,6 +129,8 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self.kv_cache.free(request)
+        if request.params.max_tokens == 0 and request.status is not RequestStatus.FINISHED:
+            self._num_prompt_only -= 1
         request.status = RequestStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
@@ -128,6 +138,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._prompt_only_left: int | None = None  # set at the first prompt-only request
+        self._decoding = False
 
         speculate = self.proposer is not None and len(self.running) <= self.speculate_below
         room = self.max_rows - len(self.running)  # proposals this step may add
@@ -248,13 +259,31 @@ class Scheduler:
         if request.params.max_tokens:
             return num_new
         if self._prompt_only_left is None:
-            decoding = any(r.params.max_tokens and r.num_computed_tokens >= r.num_prompt_tokens
-                           for r in self.running)
-            self._prompt_only_left = (self.config.max_prompt_only_tokens if decoding
-                                      else self.config.max_num_batched_tokens)
+            self._decoding = any(r.params.max_tokens and r.num_computed_tokens
+                                 >= r.num_prompt_tokens for r in self.running)
+            self._prompt_only_left = (
+                self.config.max_num_batched_tokens if not self._decoding
+                else 0 if self._prompt_only_credit < 0  # prompt_only_share: not yet earned
+                else self.config.max_prompt_only_tokens)
         num_new = min(num_new, self._prompt_only_left)
         self._prompt_only_left -= num_new
         return num_new
+
+    def account(self, schedule: SchedulerOutput, seconds: float) -> None:
+        """After a step that took `seconds` (engine/llm_engine.py): prompt_only_share's
+        books. While prompt-only requests wait beside decoding ones, a step without their
+        tokens earns them share / (1 - share) of its time, a step with them spends its own."""
+        share = self.config.prompt_only_share
+        if share >= 1.0:
+            return
+        if not self._num_prompt_only:
+            self._prompt_only_credit = 0.0
+            return
+        if any(s.request.params.max_tokens == 0 for s in schedule.scheduled):
+            self._prompt_only_credit = (self._prompt_only_credit - seconds
+                                        if self._decoding else 0.0)
+        else:
+            self._prompt_only_credit += seconds * share / (1.0 - share)
 
     def _make_room(self, request: Request, scheduled: list[ScheduledRequest],
                    preempted: list[str]) -> int:

@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prompt-only-tokens", type=int, default=q.max_prompt_only_tokens,
                    help="while a request decodes, the tokens of a step that embedding and "
                    "scoring requests (max_tokens 0) may take")
+    p.add_argument("--prompt-only-share", type=float, default=q.prompt_only_share,
+                   help="while a request decodes, the share of the engine's time embedding "
+                   "and scoring requests may take (1: no time rule)")
     p.add_argument("--priority-step-tokens", type=int, default=q.priority_step_tokens,
                    help="for --priority-window-s after a request of priority p arrives, the "
                    "tokens of worse priority a step computes (default: 8 on the CPU, no cap "
@@ -203,6 +206,7 @@ def engine_config(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_prompt_only_tokens=args.max_prompt_only_tokens,
+        prompt_only_share=args.prompt_only_share,
         priority_step_tokens=args.priority_step_tokens, priority_window_s=args.priority_window_s,
         attention_backend=args.attention_backend, sampler_backend=args.sampler_backend,
         load_format=args.load_format, quantization=args.quantization,
