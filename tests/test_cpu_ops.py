@@ -41,6 +41,14 @@ CASES = [
     (9, [30, 2], 16, 64, torch.bfloat16),
     (4, [100, 37, 5], 16, 256, torch.bfloat16),  # Gemma 2 / 3's head size
     (2, [70, 9], 16, 256, torch.float32),
+    # one or two sequences past 256 tokens: their pages in parts of 256 tokens, each part an
+    # item, the parts' sums merged after (page_sweep.h's Items); the shorter one's last
+    # parts empty; a head size with no specialised build
+    (3, [2100], 16, 64, torch.float32),
+    (3, [700, 300], 16, 64, torch.float32),
+    (4, [1000], 32, 128, torch.float32),
+    (2, [600, 5], 16, 96, torch.float32),
+    (3, [530, 257], 16, 64, torch.float16),
 ]
 
 

@@ -119,6 +119,23 @@ def test_the_fp32_op_stays_within_rounding_of_the_eager_step(tiny_models):
         assert max(gap for _, gap, _ in steps) < 1e-5, arch
 
 
+@needs_fp32_op
+def test_the_fp32_op_stays_within_rounding_of_the_eager_step_when_sequences_split(tiny_models):
+    """fp32, two sequences past 256 tokens (the tiny models hold 512), then one: the portable attention splits their
+    pages into parts of 256 tokens merged after (page_sweep.h's Items) in the op and in the
+    eager step's paged_decode_attention alike: hidden states within 1e-5 of eager's."""
+    llm = LLM(tiny_models["LlamaForCausalLM"], dtype="float32", decode_mode="eager",
+              max_num_seqs=4)
+    steps = _compare_with_eager(llm)
+    vocab = llm.engine.arch.vocab_size
+    prompts = [[(7 * i + 3) % vocab for i in range(300)], [(5 * i + 1) % vocab for i in range(430)]]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                                  for n in (6, 40)])
+    assert [len(o.token_ids) for o in outs] == [6, 40]
+    assert {2, 1} <= {n for n, _, _ in steps}
+    assert max(gap for _, gap, _ in steps) < 1e-5
+
+
 @needs_op
 def test_layers_is_the_cpu_default_and_matches_transformers_in_bf16(op_models):
     """`auto` on the CPU (fp32 and bf16): no graph to build, every decode step through the

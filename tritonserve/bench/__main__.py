@@ -1,6 +1,6 @@
 """tritonserve bench {throughput,profile,kernels,serve,conformance,grammar,loading,
     engine-check,compile-probe,cpu-decode,cpu-linear,quant-accuracy,ab-trees,tp-cost,
-    bound,gguf-table,hostile,model-shape,priority,embed-share,lora} ..."""
+    bound,gguf-table,hostile,model-shape,priority,embed-share,lora,long-context} ..."""
 from __future__ import annotations
 
 import importlib
@@ -28,6 +28,7 @@ COMMANDS = {
     "priority": "tritonserve.bench.priority",
     "embed-share": "tritonserve.bench.embed_share",
     "lora": "tritonserve.bench.lora",
+    "long-context": "tritonserve.bench.long_context",
 }
 
 

@@ -132,14 +132,17 @@ struct Team {
       item = following;
     }
     meet(Phase::kAttention);
-    if constexpr (kBf16) {
-      if (st.split) {  // the parts merged, (row, query head)s shared out
-        const int64_t heads = st.a.num_heads;
-        for (int64_t r = t; r < M * heads; r += team)
+    if (st.split) {  // the parts merged, (row, query head)s shared out
+      const int64_t heads = st.a.num_heads;
+      for (int64_t r = t; r < M * heads; r += team) {
+        if constexpr (kBf16)
           tritonserve_decode_bf16::merge_parts(
               work, r / heads, r % heads, reinterpret_cast<uint16_t*>(st.att_p) + r * st.D);
-        meet(Phase::kAttention);
+        else
+          tritonserve_decode_portable::merge_parts(work, r / heads, r % heads,
+                                                   st.att_p + r * st.D);
       }
+      meet(Phase::kAttention);
     }
   }
 
@@ -261,7 +264,8 @@ struct Team {
           scale, reinterpret_cast<uint16_t*>(att_b), D, D);
     } else {
       st.fp32_attend(q_b, kc, vc, it.table, it.len, st.block_size, st.kv_heads, D, st.group,
-                     it.h0, it.h1, scale, att_b, D, D, false, 0, 0.0f);
+                     it.h0, it.h1, scale, att_b, D, D, false, 0, 0.0f, it.p0, it.p1,
+                     it.partial);
     }
   }
 };

@@ -272,7 +272,7 @@ struct Stack {
     work = std::make_unique<tritonserve_sweep::Items>(tables.data_ptr<int32_t>(),
                                                       lens.data_ptr<int32_t>(), M,
                                                       tables.size(1), kv_heads, threads,
-                                                      block_size, kBf16);
+                                                      block_size, true);
     split = work->parts > 1;
     write_first = split;
     {

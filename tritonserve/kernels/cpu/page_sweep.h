@@ -148,8 +148,8 @@ struct Item {
 // pages, sequential reads) when there are at least 4 sequences a thread, else one a KV head
 // (batch 1 would otherwise use one core); longest sequences first, so that threads claiming
 // the next item in turn do not leave the longest for last (a static split of the range did).
-// Where the caller can merge (split_pages: the bf16 streaming kernel), a call of at most
-// kSplitBatch sequences also splits each sequence's pages into parts of kPartTokens tokens,
+// Where the caller can merge (split_pages: both decode kernels; not prefill rows), a call of
+// at most kSplitBatch sequences also splits each sequence's pages into parts of kPartTokens tokens,
 // each part an item leaving unnormalised sums (m, l, acc) for merge_parts: batch 1 over 3 KV
 // heads on 2 threads was 3 items, one thread idle a third of the attention (7.6 % of a step
 // in OpenMP waits at 1-2k tokens). The split depends on the lengths only,

@@ -69,9 +69,10 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   int32_t longest = 0;
   for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, len_ptr[b]);
   const bool plain = (window <= 0 || longest <= window) && softcap <= 0.0;
-  // the bf16 streaming kernel takes split sequences (page_sweep.h's Items), the others not
-  const bool splits = plain && q.scalar_type() == at::kBFloat16 && !cached &&
-                      tritonserve_decode_bf16::pick(head_dim, group, block_size, false);
+  // a call of one or two sequences splits their pages into parts (page_sweep.h's Items):
+  // the bf16 streaming kernel's and the portable one's; not for prefill rows (`cached`), a
+  // window or a soft-cap
+  const bool splits = plain && !cached;
   tritonserve_sweep::Items work(table_ptr, len_ptr, batch, tables.size(1), kv_heads,
                                 at::get_num_threads(), block_size, splits);
   torch::Tensor scratch;  // the parts' sums of a split call
@@ -134,8 +135,14 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, it.table, it.len,
           block_size, kv_heads, head_dim, group, it.h0, it.h1,
           static_cast<float>(scale), out_ptr + b * heads * head_dim, q_head_stride, head_dim,
-          cached, plain ? 0 : window, static_cast<float>(softcap));
+          cached, plain ? 0 : window, static_cast<float>(softcap), it.p0, it.p1, it.partial);
     });
+    if (work.parts > 1)
+      at::parallel_for(0, batch * heads, 1, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+          tritonserve_decode_portable::merge_parts(work, r / heads, r % heads,
+                                                   out_ptr + r * head_dim);
+      });
   });
   return out;
 }

@@ -85,13 +85,18 @@ inline void page_scores(const float* q, const float* k, int64_t krow, int64_t n,
 // query heads; q / out point at the sequence's row. window > 0: the query (at position
 // seq_len - 1) sees only the last `window` tokens; the pages wholly before them are not read
 // and the earlier slots of the first page read are masked. softcap > 0: each score s becomes
-// softcap * tanh(s / softcap) before the softmax (Gemma 2).
+// softcap * tanh(s / softcap) before the softmax (Gemma 2). Pages [page_from, page_to) only
+// (a part of a split sequence, page_sweep.h's Items); partial != nullptr: the part's
+// unnormalised sums go there for merge_parts (query head h at partial + h * (D + 2): acc,
+// m, l), out is not written.
 template <typename scalar_t, int HD>
 void decode_seq(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                 const int32_t* table, int64_t seq_len, int64_t block_size,
                 int64_t kv_heads, int64_t head_dim_arg, int64_t group, int64_t h0, int64_t h1,
                 float scale, scalar_t* out, int64_t q_head_stride, int64_t out_head_stride,
-                bool cached, int64_t window, float softcap) {
+                bool cached, int64_t window, float softcap, int64_t page_from = 0,
+                int64_t page_to = std::numeric_limits<int64_t>::max(),
+                float* partial = nullptr) {
   const int64_t head_dim = HD > 0 ? HD : head_dim_arg;
   const int64_t heads = (h1 - h0) * group;  // the query heads of kv heads [h0, h1)
   const int64_t row = kv_heads * head_dim;  // elements between two token slots
@@ -107,15 +112,18 @@ void decode_seq(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
   const int64_t chunk =
       tritonserve_sweep::chunk_pages(block_size * (h1 - h0) * head_dim * sizeof(scalar_t));
   const int64_t first = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
-  const int64_t p0 = first / block_size;  // the first page with a visible token
-  for (int64_t start = p0 * block_size; start < seq_len; start += block_size) {
-    const int64_t n = std::min(block_size, seq_len - start);
+  const int64_t p0 = std::max(first / block_size, page_from);  // the first page read
+  const int64_t end = std::min(seq_len, page_to < (seq_len + block_size - 1) / block_size
+                                            ? page_to * block_size : seq_len);
+  const int64_t last_page = (end + block_size - 1) / block_size;
+  for (int64_t start = p0 * block_size; start < end; start += block_size) {
+    const int64_t n = std::min(block_size, end - start);
     const int64_t p = start / block_size, page = table[p];
     const scalar_t* kp = k_cache + page * block_size * row + h0 * head_dim;
     const scalar_t* vp = v_cache + page * block_size * row + h0 * head_dim;
     if (!cached && (p - p0) % chunk == 0)  // the next sweep's pages into the cache (page_sweep.h)
       tritonserve_sweep::sweep(k_cache, v_cache, table, seq_len, p,
-                               std::min(p + chunk, (seq_len + block_size - 1) / block_size),
+                               std::min(p + chunk, last_page),
                                block_size, row, h0 * head_dim, (h1 - h0) * head_dim);
     const float* kf_page = page_as_float(kp, kbuf.data(), n, h1 - h0, row, head_dim);
     const float* vf_page = page_as_float(vp, vbuf.data(), n, h1 - h0, row, head_dim);
@@ -188,11 +196,44 @@ void decode_seq(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
       }
     }
   }
+  if (partial != nullptr) {  // a part of a split sequence: its sums, for merge_parts
+    for (int64_t h = 0; h < heads; ++h) {
+      float* part = partial + (h0 * group + h) * (head_dim + 2);
+      std::memcpy(part, acc.data() + h * head_dim, head_dim * sizeof(float));
+      part[head_dim] = m[h];
+      part[head_dim + 1] = l[h];
+    }
+    return;
+  }
   for (int64_t h = 0; h < heads; ++h) {
     scalar_t* oh = out + (h0 * group + h) * out_head_stride;
     const float inv = 1.0f / l[h];
     for (int64_t d = 0; d < head_dim; ++d) oh[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv);
   }
+}
+
+// Query head h of sequence b from the parts decode_seq left (Items::parts > 1): the parts'
+// sums rescaled to their largest max, out[d] = sum_i w_i acc_i[d] / sum_i w_i l_i with
+// w_i = exp(m_i - max_i m_i), rounded to scalar_t once; a part with no pages (m = -inf,
+// l = 0) weighs nothing. The acc layout is decode_seq's (plain order), not the bf16 kernel's.
+template <typename scalar_t>
+inline void merge_parts(const tritonserve_sweep::Items& work, int64_t b, int64_t h,
+                        scalar_t* out) {
+  const int64_t D = work.head_dim;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < work.parts; ++i) top = std::max(top, work.partial_at(b, i, h)[D]);
+  float l = 0.0f;
+  std::vector<float> acc(D, 0.0f);
+  for (int64_t i = 0; i < work.parts; ++i) {
+    const float* part = work.partial_at(b, i, h);
+    if (part[D] == -std::numeric_limits<float>::infinity()) continue;
+    const float w = std::exp(part[D] - top);
+    l += w * part[D + 1];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += w * part[d];
+  }
+  const float inv = 1.0f / l;
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<scalar_t>(acc[d] * inv);
 }
 
 }  // namespace tritonserve_decode_portable
