@@ -153,3 +153,33 @@ def test_a_stopped_worker_is_routed_around(tiny_model):
     finally:
         router.stop()
         servers[0].stop()
+
+
+@pytest.mark.parametrize("path", ["/flush_cache", "/reset_prefix_cache"])
+def test_the_prefix_cache_is_flushed_when_nothing_runs(server, path):
+    """SGLang's /flush_cache (a router forwards it to every worker) and vLLM's
+    /reset_prefix_cache: a prompt seen before hits the cache, after a flush it does not; while a
+    request runs the flush is refused (400) and that request streams on to its end."""
+    from tests.server_util import sse_payloads, stream_until
+    stats = server.engine.kv_cache.stats
+    body = {"prompt": f"a prompt long enough to fill whole blocks {path} " * 6, "max_tokens": 2}
+
+    def hits_of_one_more() -> int:
+        before = stats.hit_tokens
+        status, _, raw = request(server.port, "POST", "/v1/completions", body)
+        assert status == 200, raw
+        return stats.hit_tokens - before
+
+    hits_of_one_more()
+    assert hits_of_one_more() > 0  # the prompt's full blocks were cached
+    status, _, raw = request(server.port, "POST", path)
+    assert status == 200 and json.loads(raw) == {"flushed": True}, raw
+    assert hits_of_one_more() == 0
+    refused = []
+    raw = stream_until(server.port, "/generate", {"prompt": "go on", "max_tokens": 60,
+                                                  "ignore_eos": True}, 3,
+                       lambda: refused.append(request(server.port, "POST", path)))
+    status, _, error = refused[0]
+    assert status == 400 and b"running" in error, error
+    events = sse_payloads(raw)
+    assert events[-1]["type"] == "done" and events[-1]["output_tokens"] == 60

@@ -142,6 +142,19 @@ class KVCacheManager:
                     self.journal.append((True, block_hash))
         request.num_cached_blocks = num_full
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (SGLang's /flush_cache, vLLM's /reset_prefix_cache);
+        False, and nothing forgotten, while a request holds blocks."""
+        if any(self._ref_counts):
+            return False
+        for block, block_hash in enumerate(self._block_hash):
+            if block_hash is not None and self.journal is not None:
+                self.journal.append((False, block_hash))
+            self._block_hash[block] = None
+            self._block_key[block] = None
+        self._cached.clear()
+        return True
+
     def take_journal(self) -> list[tuple[bool, bytes]]:
         """The cache's changes since the last call (journal must be a list)."""
         changes, self.journal = self.journal, []

@@ -194,6 +194,11 @@ class LLMEngine:
         if request_id in self._requests and request_id not in self._pending_aborts:
             self._pending_aborts.append(request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks; False, and nothing forgotten, while a request is
+        unfinished (its blocks are the cache's)."""
+        return not self._requests and self.kv_cache.reset_prefix_cache()
+
     def check_health(self) -> None:
         """Raises EngineDeadError when the engine cannot step any more while it idles (a
         tensor-parallel worker gone: engine/tp_runner.py)."""

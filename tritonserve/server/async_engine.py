@@ -28,6 +28,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 
 from tritonserve.engine import EngineDeadError, InvalidRequestError, LLMEngine, SamplingParams
 from tritonserve.engine.lora import load_adapter
@@ -52,6 +54,7 @@ class AsyncEngine(EngineDoor):
         self.stats = EngineStats()
         self._step_started: float | None = None
         self._stopping = False
+        self._calls: list[tuple[Callable[[], object], Future]] = []  # run between steps
         engine.grammars  # built now (~1 s): not on the event loop at the first structured request
 
     def engines(self) -> list[EngineView]:
@@ -70,6 +73,14 @@ class AsyncEngine(EngineDoor):
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         return self.engine.validate(prompt_token_ids, params)  # reads configuration only
+
+    async def reset_prefix_cache(self) -> bool:
+        """On the engine thread, between two steps (the cache is its alone)."""
+        future: Future = Future()
+        with self.hub.lock:
+            self._calls.append((self.engine.reset_prefix_cache, future))
+        self.hub.wake.set()
+        return await asyncio.wait_for(asyncio.wrap_future(future), 60)
 
     async def load_lora(self, name: str, folder: str) -> None:
         """Read and checked on a worker thread; then the engine thread finds it by name
@@ -119,6 +130,7 @@ class AsyncEngine(EngineDoor):
             rejected: list[tuple[str, StreamFailure]] = []
             with hub.lock:  # admitted under the lock: num_waiting never misses a request
                 inbox, aborts, failures = hub.take()
+                calls, self._calls = self._calls, []
                 for new in inbox:
                     try:
                         engine.add_checked(new.prompt_token_ids, new.params, new.request_id,
@@ -133,6 +145,11 @@ class AsyncEngine(EngineDoor):
                 hub.post([], failure, [request_id])
             for request_id in aborts:
                 engine.abort(request_id)
+            for call, future in calls:  # between steps, on this thread
+                try:
+                    future.set_result(call())
+                except Exception as exc:  # noqa: BLE001 - the caller's to report
+                    future.set_exception(exc)
             if failures:
                 ended = [s.request_id for s in engine.abort_all()]
                 hub.post([], failures[0], ended)

@@ -1,6 +1,8 @@
 """What a router in front of N servers reads (sglang-router; docs/usage.md, "Behind a
 router"): GET /get_load (its load balancing: the tokens each engine holds in its KV cache and
-its requests), GET /model_info and /server_info (the model it registers the worker under).
+its requests), GET /model_info and /server_info (the model it registers the worker under),
+POST /flush_cache (SGLang's; vLLM names it /reset_prefix_cache: the router forwards it to
+every worker, benchmarks call it between runs).
 /health, /v1/models and /metrics are the server's own. The router also adds SGLang's own
 request fields at their defaults (routes_openai.ROUTER_DEFAULTS; vllm-router adds vLLM's).
 """
@@ -8,7 +10,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from .common import STATE
+from .common import STATE, ApiError
 from .routes_tokens import server_version
 
 
@@ -42,7 +44,18 @@ async def server_info(request: web.Request) -> web.Response:
         "decode_plan": card.plan.as_dict()})
 
 
+async def flush_cache(request: web.Request) -> web.Response:
+    """The prefix cache forgotten; 400 while requests run (their blocks are the cache's:
+    SGLang refuses then too), nothing forgotten."""
+    if not await request.app[STATE].engine.reset_prefix_cache():
+        raise ApiError(400, "cache_in_use", "the cache was not flushed: requests are "
+                       "running; flush once they end")
+    return web.json_response({"flushed": True})
+
+
 def add_routes(app: web.Application) -> None:
+    for path in ("/flush_cache", "/reset_prefix_cache"):
+        app.router.add_post(path, flush_cache)
     for path, handler in (("/get_load", get_load), ("/model_info", model_info),
                           ("/get_model_info", model_info), ("/server_info", server_info),
                           ("/get_server_info", server_info)):

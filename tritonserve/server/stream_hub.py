@@ -240,6 +240,11 @@ class EngineDoor:
         self._thread.start()
 
     # ---- the host half --------------------------------------------------------------------
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (server/routes_cluster.py); False while requests run."""
+        raise InvalidRequestError("flush_cache", "this host (--data-parallel-size > 1) "
+                                  "cannot flush its engines' caches")
+
     async def load_lora(self, name: str, folder: str) -> None:
         """Serves a LoRA adapter from now on (server/routes_lora.py)."""
         raise InvalidRequestError("lora_name", "adapters cannot be loaded at run time by "
