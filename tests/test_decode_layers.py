@@ -79,6 +79,19 @@ def nine_shrinking_to_one(llm) -> list[tuple[int, float, bool]]:
     return steps
 
 
+def two_long_then_one(llm, longer: int) -> list[tuple[int, float, bool]]:
+    """_compare_with_eager over two sequences of 300 and 430 prompt tokens (past 256: split
+    into parts at batch <= 2), the first ending after 6 tokens, the other after `longer`."""
+    steps = _compare_with_eager(llm)
+    vocab = llm.engine.arch.vocab_size
+    prompts = [[(7 * i + 3) % vocab for i in range(300)], [(5 * i + 1) % vocab for i in range(430)]]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                                  for n in (6, longer)])
+    assert [len(o.token_ids) for o in outs] == [6, longer]
+    assert {2, 1} <= {n for n, _, _ in steps}
+    return steps
+
+
 @needs_op
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_the_op_gives_the_eager_step_bit_for_bit(op_models, name):
@@ -97,13 +110,7 @@ def test_the_op_gives_the_eager_step_bit_for_bit_when_sequences_split(op_models)
     the op runs every rope and K/V write before the parts: hidden states and caches still the
     eager step's (which splits the same way), bit for bit."""
     llm = LLM(op_models["llama"], dtype="bfloat16", decode_mode="eager", max_num_seqs=4)
-    steps = _compare_with_eager(llm)
-    vocab = llm.engine.arch.vocab_size
-    prompts = [[(7 * i + 3) % vocab for i in range(300)], [(5 * i + 1) % vocab for i in range(430)]]
-    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                                  for n in (6, 60)])
-    assert [len(o.token_ids) for o in outs] == [6, 60]
-    assert {2, 1} <= {n for n, _, _ in steps}
+    steps = two_long_then_one(llm, 60)
     assert all(same for _, _, same in steps), [n for n, _, same in steps if not same]
 
 
@@ -126,13 +133,7 @@ def test_the_fp32_op_stays_within_rounding_of_the_eager_step_when_sequences_spli
     eager step's paged_decode_attention alike: hidden states within 1e-5 of eager's."""
     llm = LLM(tiny_models["LlamaForCausalLM"], dtype="float32", decode_mode="eager",
               max_num_seqs=4)
-    steps = _compare_with_eager(llm)
-    vocab = llm.engine.arch.vocab_size
-    prompts = [[(7 * i + 3) % vocab for i in range(300)], [(5 * i + 1) % vocab for i in range(430)]]
-    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                                  for n in (6, 40)])
-    assert [len(o.token_ids) for o in outs] == [6, 40]
-    assert {2, 1} <= {n for n, _, _ in steps}
+    steps = two_long_then_one(llm, 40)
     assert max(gap for _, gap, _ in steps) < 1e-5
 
 

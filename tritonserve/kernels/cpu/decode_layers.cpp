@@ -136,11 +136,12 @@ struct Team {
       const int64_t heads = st.a.num_heads;
       for (int64_t r = t; r < M * heads; r += team) {
         if constexpr (kBf16)
-          tritonserve_decode_bf16::merge_parts(
-              work, r / heads, r % heads, reinterpret_cast<uint16_t*>(st.att_p) + r * st.D);
+          tritonserve_sweep::merge_parts(work, r / heads, r % heads,
+                                         reinterpret_cast<uint16_t*>(st.att_p) + r * st.D,
+                                         tritonserve_vec::float_to_bf16);
         else
-          tritonserve_decode_portable::merge_parts(work, r / heads, r % heads,
-                                                   st.att_p + r * st.D);
+          tritonserve_sweep::merge_parts(work, r / heads, r % heads, st.att_p + r * st.D,
+                                         [](float x) { return x; });
       }
       meet(Phase::kAttention);
     }

@@ -15,7 +15,10 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <limits>
 #include <vector>
+
+#include "vec_math.h"
 
 namespace tritonserve_sweep {
 
@@ -201,6 +204,30 @@ struct Items {
                 p0, p1, parts > 1 ? partial_at(b, i, 0) : nullptr};
   }
 };
+
+// Query head h of sequence b from the parts of a split call (Items::parts > 1), whichever
+// kernel left them (acc in plain order, then m, then l): the parts' sums rescaled to their
+// largest max, out[d] = round(sum_i w_i acc_i[d] / sum_i w_i l_i) with w_i = exp(m_i -
+// max_i m_i); a part with no pages (m = -inf, l = 0) weighs nothing.
+template <typename Out, typename Round>
+inline void merge_parts(const Items& work, int64_t b, int64_t h, Out* out, Round round) {
+  const int64_t D = work.head_dim;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < work.parts; ++i) top = std::max(top, work.partial_at(b, i, h)[D]);
+  float l = 0.0f;
+  alignas(64) float local[512] = {};  // head sizes past 512 (none served) take the heap
+  std::vector<float> heap(D > 512 ? D : 0, 0.0f);
+  float* acc = D > 512 ? heap.data() : local;
+  for (int64_t i = 0; i < work.parts; ++i) {
+    const float* part = work.partial_at(b, i, h);
+    if (part[D] == -std::numeric_limits<float>::infinity()) continue;
+    const float w = tritonserve_vec::exp_clamped(part[D] - top);
+    l += w * part[D + 1];
+    for (int64_t d = 0; d < D; ++d) acc[d] += w * part[d];
+  }
+  const float inv = 1.0f / l;
+  for (int64_t d = 0; d < D; ++d) out[d] = round(acc[d] * inv);
+}
 
 // Pages one sweep of `it` covers (its heads of `head_dim` elements of T a token slot)
 template <typename T>

@@ -113,8 +113,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       if (work.parts > 1)
         at::parallel_for(0, batch * heads, 1, [&](int64_t r0, int64_t r1) {
           for (int64_t r = r0; r < r1; ++r)
-            tritonserve_decode_bf16::merge_parts(work, r / heads, r % heads,
-                                                 out_ptr + r * head_dim);
+            tritonserve_sweep::merge_parts(work, r / heads, r % heads, out_ptr + r * head_dim,
+                                           tritonserve_vec::float_to_bf16);
         });
       return out;
     }
@@ -140,8 +140,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     if (work.parts > 1)
       at::parallel_for(0, batch * heads, 1, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
-          tritonserve_decode_portable::merge_parts(work, r / heads, r % heads,
-                                                   out_ptr + r * head_dim);
+          tritonserve_sweep::merge_parts(work, r / heads, r % heads, out_ptr + r * head_dim,
+                                         [](float x) { return static_cast<scalar_t>(x); });
       });
   });
   return out;

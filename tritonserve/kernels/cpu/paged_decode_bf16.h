@@ -309,28 +309,6 @@ void decode_seq(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_ca
     }
 }
 
-// Query head h of sequence b from the parts of a split call (Items::parts > 1): the parts'
-// sums rescaled to their largest reference max, out[d] = sum_i w_i acc_i[d] / sum_i w_i l_i
-// with w_i = exp(m_i - max_i m_i), rounded to bf16 once. A part with no pages (m = -inf,
-// l = 0) weighs nothing.
-inline void merge_parts(const tritonserve_sweep::Items& work, int64_t b, int64_t h,
-                        uint16_t* out) {
-  const int64_t D = work.head_dim;
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < work.parts; ++i) top = std::max(top, work.partial_at(b, i, h)[D]);
-  float l = 0.0f;
-  alignas(64) float acc[256] = {};  // the largest head size pick() takes
-  for (int64_t i = 0; i < work.parts; ++i) {
-    const float* part = work.partial_at(b, i, h);
-    if (part[D] == -std::numeric_limits<float>::infinity()) continue;
-    const float w = exp_clamped(part[D] - top);
-    l += w * part[D + 1];
-    for (int64_t d = 0; d < D; ++d) acc[d] += w * part[d];
-  }
-  const float inv = 1.0f / l;
-  for (int64_t d = 0; d < D; ++d) out[d] = tritonserve_vec::float_to_bf16(acc[d] * inv);
-}
-
 template <int C, bool Cached>
 inline SeqFn pick_group(int64_t group) {
   switch (group) {
@@ -363,6 +341,5 @@ inline SeqFn pick(int64_t head_dim, int64_t group, int64_t block_size, bool cach
 #else  // no AVX512-BF16: no instance, so callers' bf16 branches never run (isa.h)
 namespace tritonserve_decode_bf16 {
 inline SeqFn pick(int64_t, int64_t, int64_t, bool) { return nullptr; }
-inline void merge_parts(const tritonserve_sweep::Items&, int64_t, int64_t, uint16_t*) {}
 }  // namespace tritonserve_decode_bf16
 #endif

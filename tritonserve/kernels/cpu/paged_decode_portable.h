@@ -88,7 +88,7 @@ inline void page_scores(const float* q, const float* k, int64_t krow, int64_t n,
 // softcap * tanh(s / softcap) before the softmax (Gemma 2). Pages [page_from, page_to) only
 // (a part of a split sequence, page_sweep.h's Items); partial != nullptr: the part's
 // unnormalised sums go there for merge_parts (query head h at partial + h * (D + 2): acc,
-// m, l), out is not written.
+// m, l; page_sweep.h's merge_parts), out is not written.
 template <typename scalar_t, int HD>
 void decode_seq(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                 const int32_t* table, int64_t seq_len, int64_t block_size,
@@ -210,30 +210,6 @@ void decode_seq(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_ca
     const float inv = 1.0f / l[h];
     for (int64_t d = 0; d < head_dim; ++d) oh[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv);
   }
-}
-
-// Query head h of sequence b from the parts decode_seq left (Items::parts > 1): the parts'
-// sums rescaled to their largest max, out[d] = sum_i w_i acc_i[d] / sum_i w_i l_i with
-// w_i = exp(m_i - max_i m_i), rounded to scalar_t once; a part with no pages (m = -inf,
-// l = 0) weighs nothing. The acc layout is decode_seq's (plain order), not the bf16 kernel's.
-template <typename scalar_t>
-inline void merge_parts(const tritonserve_sweep::Items& work, int64_t b, int64_t h,
-                        scalar_t* out) {
-  const int64_t D = work.head_dim;
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < work.parts; ++i) top = std::max(top, work.partial_at(b, i, h)[D]);
-  float l = 0.0f;
-  std::vector<float> acc(D, 0.0f);
-  for (int64_t i = 0; i < work.parts; ++i) {
-    const float* part = work.partial_at(b, i, h);
-    if (part[D] == -std::numeric_limits<float>::infinity()) continue;
-    const float w = std::exp(part[D] - top);
-    l += w * part[D + 1];
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) acc[d] += w * part[d];
-  }
-  const float inv = 1.0f / l;
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<scalar_t>(acc[d] * inv);
 }
 
 }  // namespace tritonserve_decode_portable
