@@ -27,7 +27,7 @@ SmolLM2 on 2 cores that step took 150 ms with them and 37 ms without (docs/bench
 it arrives: for priority_window_s after a request of priority p arrives, a step computes at most
 priority_step_tokens tokens of worse priority (running requests least recently run first, the
 rest to waiting ones), so the next such request waits for a short step (on the CPU a step's
-time grows with its rows).
+time grows with its rows). The rules are engine/priority.py's.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from .config import SchedulerConfig
 from .kv_cache import KVCacheManager
+from .priority import UrgentWindow, key, victim
 from .request import Request, RequestStatus
 from .speculative import NgramProposer, eligible, worth_proposing
 
@@ -84,18 +85,20 @@ class Scheduler:
         # run other weights (engine/plan.py) than the same step without proposals
         self.max_rows = max_rows
         self.min_acceptance = min_acceptance
-        self.priority_step_tokens = priority_step_tokens  # None: no cap (config.py)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prioritized = False  # a request with a priority other than 0 has come
         self.step_count = 0
-        # (p, until): a request of priority p arrived lately; rows worse than p are capped
-        self._urgent: tuple[int, float] | None = None
+        self.urgent = UrgentWindow(priority_step_tokens, config.priority_window_s)
         # prompt_only_share: seconds of prompt-only work earned (< 0: owed) while one decodes
         self._prompt_only_credit = 0.0
         self._num_prompt_only = 0  # unfinished requests with max_tokens 0
         self._decoding = False  # this step's: some request decodes
+
+    @property
+    def priority_step_tokens(self) -> int | None:
+        return self.urgent.step_tokens
 
     @property
     def has_unfinished(self) -> bool:
@@ -108,17 +111,15 @@ class Scheduler:
         if request.params.max_tokens == 0:
             self._num_prompt_only += 1
         if self.prioritized:
-            now = time.perf_counter()
-            if self._urgent is None or priority <= self._urgent[0] or now > self._urgent[1]:
-                self._urgent = (priority, now + self.config.priority_window_s)
+            self.urgent.arrived(priority)
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
         """Into the waiting queue by (priority, arrival): behind every request it does not
         precede (O(1) for the usual arrival in order)."""
-        key = _key(request)
+        order = key(request)
         at = len(self.waiting)
-        while at > 0 and key < _key(self.waiting[at - 1]):
+        while at > 0 and order < key(self.waiting[at - 1]):
             at -= 1
         self.waiting.insert(at, request)
 
@@ -146,7 +147,7 @@ class Scheduler:
         outranked_by = head.params.priority if head is not None \
             and not head.waits_for_sibling else None  # running requests it outranks wait
         self.step_count += 1
-        capped = self._capped()
+        capped = self.urgent.allowance(self.running)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -177,10 +178,10 @@ class Scheduler:
                     index += 1
                     continue
             while not self.kv_cache.allocate(request, num_new):
-                victim = self.running.pop(_victim(self.running, index))
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
+                lost = self.running.pop(victim(self.running, index))
+                self._preempt(lost)
+                preempted.append(lost.request_id)
+                if lost is request:
                     break
             else:
                 scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
@@ -231,27 +232,6 @@ class Scheduler:
             entry.request.last_step = self.step_count
         return SchedulerOutput(scheduled, preempted)
 
-    def _capped(self) -> tuple[int, dict[Request, int], int] | None:
-        """None, or while a request of priority p arrived within priority_window_s: (p, the
-        tokens each running request of worse priority may compute this step, the tokens left
-        for waiting ones): priority_step_tokens in all, running requests first, least
-        recently run first."""
-        if self._urgent is None or self.priority_step_tokens is None:
-            return None
-        priority, until = self._urgent
-        if time.perf_counter() > until:
-            self._urgent = None
-            return None
-        worse = sorted((r for r in self.running if r.params.priority > priority),
-                       key=lambda r: r.last_step)  # stable: the earlier admitted among equals
-        left, allowed = self.priority_step_tokens, {}
-        for request in worse:
-            if left == 0:
-                break
-            allowed[request] = min(left, request.num_tokens - request.num_computed_tokens)
-            left -= allowed[request]
-        return priority, allowed, left
-
     def _share(self, request: Request, num_new: int) -> int:
         """num_new, or for a request that computes only its prompt (max_tokens 0: an
         embedding, a scoring) what is left of max_prompt_only_tokens this step while some
@@ -289,14 +269,14 @@ class Scheduler:
                    preempted: list[str]) -> int:
         """Preempts the lowest-priority running request for `request`, which outranks it;
         returns the budget the victim had taken this step (its entry is dropped)."""
-        victim = self.running[_victim(self.running, 0)]
-        self.running.remove(victim)
+        lost = self.running[victim(self.running, 0)]
+        self.running.remove(lost)
         returned = 0
-        for entry in [e for e in scheduled if e.request is victim]:
+        for entry in [e for e in scheduled if e.request is lost]:
             scheduled.remove(entry)
             returned += entry.num_new_tokens
-        self._preempt(victim)
-        preempted.append(victim.request_id)
+        self._preempt(lost)
+        preempted.append(lost.request_id)
         return returned
 
     def _preempt(self, request: Request) -> None:
@@ -307,12 +287,3 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(request)
 
-
-def _key(request: Request) -> tuple[int, float]:
-    return request.params.priority, request.arrival_time
-
-
-def _victim(running: list[Request], start: int) -> int:
-    """The index, from `start` on, of the request to preempt: the lowest priority (the largest
-    value), the latest among equals (the last one: FCFS's choice)."""
-    return max(range(start, len(running)), key=lambda i: (running[i].params.priority, i))
