@@ -76,6 +76,7 @@ class AsyncEngine(EngineDoor):
 
     async def reset_prefix_cache(self) -> bool:
         """On the engine thread, between two steps (the cache is its alone)."""
+        self.hub._check_alive()  # a dead engine thread would never answer
         future: Future = Future()
         with self.hub.lock:
             self._calls.append((self.engine.reset_prefix_cache, future))
