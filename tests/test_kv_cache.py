@@ -125,3 +125,156 @@ def test_prefix_keys_are_sha256_chains_and_a_hit_compares_content(monkeypatch):
     monkeypatch.setattr(BlockKey, "digest", property(lambda self: b"\x00" * 32))
     other = make_request(1, [50 + t for t in range(12)], 2)
     assert kv.find_cached_prefix(other) == []
+
+
+class FakeDisk:
+    """The disk tier's contract (engine/disk_cache.py) over a dict, with the writer's delay
+    made explicit: a block is copied out only when the `write` rule runs."""
+
+    blocks_per_read = 3
+
+    def __init__(self, content: dict[int, tuple]) -> None:
+        self.content = content  # block -> the tokens its K/V was computed for
+        self.files: dict[bytes, tuple] = {}  # digest -> (key, content)
+        self.jobs: list[list] = []
+        self.done: list[int] = []
+        self.reads: list[list] = []
+        self.read_done: list[tuple[list, int]] = []
+
+    def has(self, digest):
+        return digest in self.files
+
+    def save(self, items):
+        self.jobs.append(items)
+
+    def write_one(self):
+        for digest, key, block in self.jobs.pop(0):
+            self.files[digest] = (key, self.content[block])
+            self.done.append(block)
+
+    def written(self):
+        done, self.done = self.done, []
+        return done
+
+    def drain(self):
+        while self.jobs:
+            self.write_one()
+        while self.reads:
+            self.read_one()
+
+    def fetch(self, items):
+        self.reads.append(items)
+
+    def fetched(self, wait_s=0.0):
+        done, self.read_done = self.read_done, []
+        return done
+
+    def read_one(self):
+        items = self.reads.pop(0)
+        read = 0
+        for digest, key, block in items:
+            stored = self.files.get(digest)
+            if stored is None or stored[0] != key:
+                break
+            self.content[block] = stored[1]
+            read += 1
+        self.read_done.append((items, read))
+
+    def pinned(self) -> Counter:
+        pins = Counter(block for job in self.jobs + self.reads for _, _, block in job)
+        pins.update(self.done)
+        pins.update(block for items, _ in self.read_done for _, _, block in items)
+        return pins
+
+
+class DiskCacheMachine(CacheMachine):
+    """CacheMachine with a disk tier, whose writer lags and which outlives the manager: a
+    block pinned for the writer is never handed out, a block read back holds what its key
+    says, and ref counts are owners plus pins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.content: dict[int, tuple] = {}
+        self.disk = FakeDisk(self.content)
+        self._restart()
+
+    def _restart(self):
+        self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True,
+                                 disk=self.disk)
+        self.kv.max_disk_pins = 6
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10),
+                                   self.kv)
+
+    @precondition(lambda self: self.live)
+    @rule(token=st.integers(0, 3))
+    def step(self, token):
+        self.kv.settle_disk()
+        out = self.scheduler.schedule()
+        for s in out.scheduled:
+            request = s.request
+            end = s.start + s.num_new_tokens
+            for i in range(s.start // BLOCK_SIZE, -(-end // BLOCK_SIZE)):
+                self.content[request.block_ids[i]] = tuple(
+                    request.token_ids[i * BLOCK_SIZE:min(end, (i + 1) * BLOCK_SIZE)])
+        super_step_rest(self, out, token)
+        self.kv.write_behind()
+
+    @precondition(lambda self: self.disk.jobs)
+    @rule()
+    def write(self):
+        self.disk.write_one()
+
+    @precondition(lambda self: self.disk.reads)
+    @rule()
+    def read(self):
+        self.disk.read_one()
+
+    @precondition(lambda self: not self.live)
+    @rule()
+    def restart(self):
+        """The process ends (its writes finished) and a new one starts on the same folder."""
+        self.kv.settle_disk(drain=True)
+        self.content.clear()
+        self._restart()
+
+    @invariant()
+    def a_cached_block_holds_its_key(self):
+        for block, key in enumerate(self.kv._block_key):
+            if key is not None:
+                assert self.content.get(block) == key.tokens, f"block {block} holds stale K/V"
+
+    @invariant()
+    def no_block_owned_twice_and_counts_add_up(self):
+        owners = Counter()
+        for request in self.live.values():
+            assert len(set(request.block_ids)) == len(request.block_ids), "a block twice"
+            owners.update(request.block_ids)
+        pins = self.disk.pinned()
+        for block in range(NUM_BLOCKS):
+            assert self.kv.ref_count(block) == owners[block] + pins[block], f"block {block}"
+        assert len(owners | pins) + self.kv.num_free_blocks == NUM_BLOCKS
+
+    def teardown(self):
+        for request in list(self.live.values()):
+            self.scheduler.remove(request)
+        self.kv.settle_disk(drain=True)
+        assert self.kv.num_free_blocks == NUM_BLOCKS
+
+
+def super_step_rest(machine: CacheMachine, out, token) -> None:
+    """CacheMachine.step after schedule(): advance, register full blocks, sample, finish."""
+    for s in out.scheduled:
+        request = s.request
+        assert request.num_computed_tokens == s.start
+        request.num_computed_tokens += s.num_new_tokens
+        machine.kv.cache_full_blocks(request)
+        if s.samples:
+            request.token_ids.append(token)
+            if request.num_output_tokens >= request.params.max_tokens:
+                machine.scheduler.remove(request)
+                del machine.live[request.request_id]
+
+
+TestDiskCacheMachine = DiskCacheMachine.TestCase
+TestDiskCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])

@@ -1,6 +1,7 @@
 """tritonserve bench {throughput,profile,kernels,serve,conformance,grammar,loading,
     engine-check,compile-probe,cpu-decode,cpu-linear,quant-accuracy,ab-trees,tp-cost,
-    bound,gguf-table,hostile,model-shape,priority,embed-share,lora,long-context} ..."""
+    bound,gguf-table,hostile,model-shape,priority,embed-share,lora,long-context,
+    prefix-restart} ..."""
 from __future__ import annotations
 
 import importlib
@@ -29,6 +30,7 @@ COMMANDS = {
     "embed-share": "tritonserve.bench.embed_share",
     "lora": "tritonserve.bench.lora",
     "long-context": "tritonserve.bench.long_context",
+    "prefix-restart": "tritonserve.bench.prefix_restart",
 }
 
 

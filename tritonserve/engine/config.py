@@ -47,6 +47,10 @@ class CacheConfig:
     cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9  # CUDA: the share of device memory this engine takes
     enable_prefix_caching: bool = True
+    # a second tier for the prefix cache (engine/disk_cache.py): full blocks written there
+    # behind the engine, read back on a miss, kept across restarts; bounded to this many GiB
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_gb: float = 16.0
 
     def __post_init__(self) -> None:
         if self.block_size not in (16, 32):  # what the kernels are tested with
@@ -55,6 +59,11 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.cache_bytes is not None and self.cache_bytes <= 0:
             raise ValueError(f"cache_bytes must be > 0, got {self.cache_bytes}")
+        if not self.prefix_cache_disk_gb > 0:
+            raise ValueError(f"prefix_cache_disk_gb must be > 0, got {self.prefix_cache_disk_gb}")
+        if self.prefix_cache_dir and not self.enable_prefix_caching:
+            raise ValueError("prefix_cache_dir is the prefix cache's second tier: it needs "
+                             "prefix caching (drop --no-prefix-caching)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
@@ -212,6 +221,9 @@ class EngineConfig:
                 or self.tensor_parallel_size < 1):
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got "
                              f"{self.tensor_parallel_size!r}")
+        if self.cache.prefix_cache_dir and self.tensor_parallel_size > 1:
+            raise ValueError("prefix_cache_dir is not served with tensor_parallel_size > 1 yet "
+                             "(each rank holds its own heads' blocks)")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
                              f"{self.quantization!r}")

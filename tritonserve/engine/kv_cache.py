@@ -4,6 +4,10 @@ Blocks live in a free queue ordered least-recently-freed first. A freed block ke
 prefix-cache entry until it is handed out again, so a later request with the same prefix can
 take it back (a hit); allocation always takes from the head of the queue, which evicts the
 least recently used cached block.
+
+With a disk tier (engine/disk_cache.py, --prefix-cache-dir) every newly registered block is
+also handed to its writer, pinned (an extra reference) until its file is written, and a
+waiting request's next blocks are read back from disk into free blocks before its lookup.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from .disk_cache import DiskPrefixCache
 from .request import Request
 
 _ROOT = b"\0" * 32  # the parent digest of a prompt's first block
@@ -57,10 +62,12 @@ def _salt(request: Request) -> bytes | None:
 class PrefixCacheStats:
     queried_tokens: int = 0
     hit_tokens: int = 0
+    disk_read_tokens: int = 0  # of hit_tokens (and later hits), read back from the disk tier
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 disk: DiskPrefixCache | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -75,6 +82,13 @@ class KVCacheManager:
         # When a list: each digest entering (True) or leaving (False) the prefix cache, in
         # order, for take_journal() (a data-parallel engine reports them to the router).
         self.journal: list[tuple[bool, bytes]] | None = None
+        self.disk = disk if enable_prefix_caching else None
+        self._unsaved: list[tuple[bytes, BlockKey, int]] = []  # registered, not yet handed over
+        self._disk_pins = 0
+        self._reading: dict[int, str] = {}  # id of a list handed to disk.fetch -> request id
+        # blocks pinned for the writer at most: past it new blocks are not written (a backlog
+        # must not take the cache from the requests)
+        self.max_disk_pins = max(1, num_blocks // 4)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -102,9 +116,7 @@ class KVCacheManager:
         never served from the cache: its logits are needed; nor is any token of a prompt
         whose logprobs are asked for (SamplingParams.prompt_logprobs) or that a mean or cls
         pool reads (engine/pooling.py)."""
-        params = request.params
-        if not self.enable_prefix_caching or params.prompt_logprobs is not None \
-                or params.pooling in ("mean", "cls"):
+        if not self._may_hit(request):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []
@@ -121,6 +133,11 @@ class KVCacheManager:
         self.stats.queried_tokens += request.num_tokens
         self.stats.hit_tokens += len(hits) * self.block_size
         return hits
+
+    def _may_hit(self, request: Request) -> bool:
+        params = request.params
+        return self.enable_prefix_caching and params.prompt_logprobs is None \
+            and params.pooling not in ("mean", "cls")
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly computed full blocks under their chained hashes."""
@@ -140,7 +157,103 @@ class KVCacheManager:
                 self._cached[block_hash] = block
                 if self.journal is not None:
                     self.journal.append((True, block_hash))
+                # an adapter's chain is keyed by its name, which a restart may give another
+                # adapter: only the base model's blocks go to disk
+                if self.disk is not None and request.lora is None \
+                        and not self.disk.has(block_hash):
+                    self._unsaved.append((block_hash, key, block))
         request.num_cached_blocks = num_full
+
+    # ---- the disk tier -------------------------------------------------------------------
+    def write_behind(self) -> None:
+        """Hand the blocks registered since the last call to the disk writer (the end of a
+        step), each pinned until written."""
+        if not self._unsaved:
+            return
+        room = max(0, self.max_disk_pins - self._disk_pins)
+        batch = [item for item in self._unsaved[:room] if self._block_hash[item[2]] == item[0]]
+        self._unsaved.clear()
+        for _, _, block in batch:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+        self._disk_pins += len(batch)
+        self.disk.save(batch)
+
+    @property
+    def reading(self) -> bool:
+        """A read from the disk tier is in flight (a request waits for it)."""
+        return bool(self._reading)
+
+    def settle_disk(self, wait_s: float = 0.0, drain: bool = False) -> None:
+        """Unpin the blocks the writer is done with, and register those the reader brought
+        (the start of a step). wait_s: wait that long for a read in flight (a step with
+        nothing else to do); drain: for every write and read (flush, close)."""
+        if self.disk is None:
+            return
+        if drain:
+            self.disk.drain()
+        for block in self.disk.written():
+            self._disk_pins -= 1
+            self._unpin(block)
+        for items, read in self.disk.fetched(wait_s if self._reading else 0.0):
+            self._reading.pop(id(items), None)
+            for n, (digest, key, block) in enumerate(items):
+                self._unpin(block)
+                if n >= read or digest in self._cached:  # not read, or computed meanwhile
+                    if self._ref_counts[block] == 0:
+                        self._free.move_to_end(block, last=False)  # first to be taken
+                    continue
+                self._block_hash[block], self._block_key[block] = digest, key
+                self._cached[digest] = block
+                if self.journal is not None:
+                    self.journal.append((True, digest))
+            self.stats.disk_read_tokens += read * self.block_size
+
+    def _unpin(self, block: int) -> None:
+        self._ref_counts[block] -= 1
+        if self._ref_counts[block] == 0:
+            self._free[block] = None
+
+    def read_from_disk(self, request: Request) -> bool:
+        """Start reading the request's next prefix blocks that the disk tier holds into free
+        blocks (pinned; registered as cached once read: settle_disk), so that
+        find_cached_prefix hits them. Its blocks already in memory move to the free queue's
+        tail first, so a read never evicts its own chain. False while a read for it is in
+        flight (the request waits; the queue behind it too); True when nothing (more) is to
+        be read."""
+        if self.disk is None or request.lora is not None or not self._may_hit(request):
+            return True
+        if any(rid == request.request_id for rid in self._reading.values()):
+            return False
+        parent: bytes | None = None
+        chain: set[int] = set()
+        wanted: list[tuple[bytes, BlockKey]] = []
+        for i in range((request.num_tokens - 1) // self.block_size):
+            key = BlockKey(parent, tuple(request.token_ids[i * self.block_size:
+                                                          (i + 1) * self.block_size]))
+            parent = key.digest
+            block = self._cached.get(parent)
+            if block is not None and self._block_key[block] == key:
+                chain.add(block)
+                if self._ref_counts[block] == 0:
+                    self._free.move_to_end(block)
+            elif len(wanted) < self.disk.blocks_per_read and self.disk.has(parent):
+                wanted.append((parent, key))
+            else:
+                break
+        items = []
+        for digest, key in wanted:
+            if not self._free or next(iter(self._free)) in chain:
+                break
+            block = self._take_free_block()  # its reference is the read's pin
+            chain.add(block)
+            items.append((digest, key, block))
+        if not items:
+            return True
+        self._reading[id(items)] = request.request_id
+        self.disk.fetch(items)
+        return False
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (SGLang's /flush_cache, vLLM's /reset_prefix_cache);

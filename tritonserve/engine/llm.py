@@ -12,8 +12,7 @@ from .outputs import RequestOutput, TokenOutput
 from .pooling import finish
 from .sampling_params import SamplingParams
 
-_CACHE_KEYS = {"block_size", "num_blocks", "cache_bytes", "gpu_memory_utilization",
-               "enable_prefix_caching"}
+_CACHE_KEYS = {f.name for f in fields(CacheConfig)}
 _SCHEDULER_KEYS = {f.name for f in fields(SchedulerConfig)}
 # flat names (vLLM's where it has them) -> SpeculativeConfig fields
 _SPECULATIVE_KEYS = {"speculative_method": "method", "num_speculative_tokens":

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from .config import EngineConfig
 from .default_model import gguf_source
+from .disk_cache import DiskPrefixCache, cache_identity
 from .detokenizer import IncrementalDetokenizer, StopCheck, StopStringMatcher
 from .errors import EngineDeadError, InvalidRequestError, NoTokenAllowedError
 from .kv_cache import KVCacheManager
@@ -62,7 +63,8 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config, self.arch, num_blocks)
         self.runner.allocate(num_blocks, self.max_model_len)
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size,
-                                       config.cache.enable_prefix_caching)
+                                       config.cache.enable_prefix_caching,
+                                       self._disk_tier(config))
         spec = config.speculative
         proposer = (NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
                     if spec.method == "ngram" else None)
@@ -88,6 +90,22 @@ class LLMEngine:
     def grammars(self) -> Grammars:
         """Built on the first structured request (it reads the whole vocabulary once)."""
         return self.checker.grammars
+
+    def _disk_tier(self, config: EngineConfig) -> DiskPrefixCache | None:
+        """--prefix-cache-dir: the prefix cache's second tier, over the runner's cache."""
+        cache = config.cache
+        if not cache.prefix_cache_dir or not cache.enable_prefix_caching:
+            return None
+        identity = cache_identity(self.model_path, gguf_source(self.model_path),
+                                  config.torch_dtype, {
+                                      "quantization": config.quantization,
+                                      "load_format": config.load_format,
+                                      "seed": config.seed if config.load_format == "dummy"
+                                      else None})
+        disk = DiskPrefixCache(cache.prefix_cache_dir, int(cache.prefix_cache_disk_gb * 2**30),
+                               identity, self.runner.kv_caches)
+        log.info("%s", disk.describe())
+        return disk
 
     def _load_loras(self, config: EngineConfig) -> dict[str, LoraAdapter]:
         """--lora-modules name=folder ...: each checked against this base (engine/lora.py)."""
@@ -197,7 +215,10 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache's blocks; False, and nothing forgotten, while a request is
         unfinished (its blocks are the cache's)."""
-        return not self._requests and self.kv_cache.reset_prefix_cache()
+        if self._requests:
+            return False
+        self.kv_cache.settle_disk(drain=True)  # the disk tier's pins
+        return self.kv_cache.reset_prefix_cache()
 
     def check_health(self) -> None:
         """Raises EngineDeadError when the engine cannot step any more while it idles (a
@@ -208,7 +229,10 @@ class LLMEngine:
             raise EngineDeadError(f"{type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
-        """Stops what the engine started beside this process (tensor-parallel workers)."""
+        """Stops what the engine started beside this process (tensor-parallel workers, the
+        disk tier's writer, once its files are written)."""
+        if self.kv_cache.disk is not None:
+            self.kv_cache.disk.close()
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -236,8 +260,11 @@ class LLMEngine:
     # ---- internals -----------------------------------------------------------------------
     def _step(self, steps: list[GenerationStep]) -> None:
         steps.extend(self._apply_aborts())
+        self.kv_cache.settle_disk()
         schedule = self.scheduler.schedule()
         if schedule.empty:
+            if self.kv_cache.reading:  # nothing to do but wait for a prefix read from disk
+                self.kv_cache.settle_disk(wait_s=0.05)
             return
         started = time.perf_counter()
         try:
@@ -288,6 +315,7 @@ class LLMEngine:
                     log.exception("output processing failed for %s", request.request_id)
                 if request.request_id in self._requests:
                     steps.append(self._fail(request, f"{type(exc).__name__}: {exc}"))
+        self.kv_cache.write_behind()
 
     def _apply_aborts(self) -> list[GenerationStep]:
         steps = []

@@ -188,9 +188,11 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        pressure = bool(preempted)  # the running requests did not fit: admit none, unless
-        while self.waiting and budget > 0:  # the head outranks one of them
-            request = self.waiting[0]
+        # the running requests did not fit: admit none, unless the head outranks one of them
+        pressure = bool(preempted)
+        reading = 0  # requests at the head whose prefix is being read from disk: passed by
+        while len(self.waiting) > reading and budget > 0:
+            request = self.waiting[reading]
             if request.waits_for_sibling:  # FIFO: the queue behind it waits one step too
                 break
             outranks = self.prioritized and any(
@@ -202,6 +204,9 @@ class Scheduler:
                 break
             fits = False
             if len(self.running) < self.config.max_num_seqs:
+                if not self.kv_cache.read_from_disk(request):
+                    reading += 1  # the ones behind it go first meanwhile
+                    continue
                 cached = self.kv_cache.find_cached_prefix(request)
                 num_cached_tokens = len(cached) * self.kv_cache.block_size
                 num_new = self._share(request, min(request.num_tokens - num_cached_tokens,
@@ -216,7 +221,7 @@ class Scheduler:
                     break
                 budget += self._make_room(request, scheduled, preempted)
                 continue
-            self.waiting.popleft()
+            del self.waiting[reading]
             request.num_computed_tokens = num_cached_tokens
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:

@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="CUDA: the share of device memory for weights, activations and cache")
     p.add_argument("--no-prefix-caching", action="store_true",
                    default=not c.enable_prefix_caching)
+    p.add_argument("--prefix-cache-dir", default=c.prefix_cache_dir,
+                   help="a folder for the prefix cache's second tier: full KV blocks written "
+                   "there behind the engine, read back on a miss, kept across restarts")
+    p.add_argument("--prefix-cache-disk-gb", type=float, default=c.prefix_cache_disk_gb,
+                   help="the most the prefix cache folder holds (least recently used files go)")
     p.add_argument("--max-num-seqs", type=int, default=q.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=q.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=q.max_model_len)
@@ -203,7 +208,9 @@ def engine_config(args: argparse.Namespace):
         args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         num_blocks=args.num_blocks, cache_bytes=None if args.num_blocks else args.cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=not args.no_prefix_caching,
+        prefix_cache_dir=args.prefix_cache_dir, prefix_cache_disk_gb=args.prefix_cache_disk_gb,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_prompt_only_tokens=args.max_prompt_only_tokens,
         prompt_only_share=args.prompt_only_share,
