@@ -151,6 +151,8 @@ def test_cpu_prefill_matches_reference(group, shapes, block_size, head_dim, dtyp
 
     if not as_decode:
         monkeypatch.setattr(attention, "PREFILL_AS_DECODE_MAX", 0)
+    else:  # the rows whatever the context (fp32 long ones take SDPA by default)
+        monkeypatch.setattr(attention, "PREFILL_SDPA_FP32_CONTEXT", 1 << 30)
     kv_heads = 2
     seq_lens = [s for _, s in shapes]
     pool = sum(-(-n // block_size) for n in seq_lens) + 7
@@ -165,6 +167,29 @@ def test_cpu_prefill_matches_reference(group, shapes, block_size, head_dim, dtyp
     actual = CpuAttention().prefill(q, k_cache, v_cache, tables, cu, lens,
                                                          max(q_lens), 0.125)
     close(actual, expected, dtype)
+
+
+@needs_op
+@pytest.mark.parametrize("dtype, lens, rows", [
+    (torch.float32, [300, 260], False),  # long fp32 contexts: SDPA's GEMMs
+    (torch.float32, [64] * 8, True),  # short sequences: the rows (SDPA loops per sequence)
+    (torch.bfloat16, [300, 260], True),  # bf16 keeps the rows (its own kernel on AVX512-BF16)
+])
+def test_cpu_prefill_picks_sdpa_for_long_fp32_contexts(dtype, lens, rows, monkeypatch):
+    from tritonserve.engine import attention
+    chose = []
+    monkeypatch.setattr(attention.TorchAttention, "prefill",
+                        lambda self, *args: chose.append("sdpa"))
+    backend = CpuAttention()
+    real = backend.cpu_decode
+    backend.cpu_decode = lambda *args, **kw: chose.append("rows") or real(*args, **kw)
+    k_cache, v_cache = make_cache(sum(-(-n // 16) for n in lens) + 2, 16, 2, 64, dtype, "cpu", 1)
+    tables = scattered_tables(lens, 16, k_cache.shape[0], 1)
+    cu = torch.tensor([0] + [16 * (i + 1) for i in range(len(lens))], dtype=torch.int32)
+    q = torch.randn(16 * len(lens), 4, 64).to(dtype)
+    backend.prefill(q, k_cache, v_cache, tables, cu, torch.tensor(lens, dtype=torch.int32), 16,
+                    0.125)
+    assert chose == ["rows" if rows else "sdpa"]
 
 
 @needs_op

@@ -172,6 +172,14 @@ class ThroughOps(AttentionBackend):
 # 3.92, 2 of 2,000 3.50 -> 2.50 s / 6.32 -> 6.11; longer chunks are unmeasured, so SDPA.
 PREFILL_AS_DECODE_MAX = 2048
 
+# fp32 prefill chunks whose sequences average at least this many tokens of context run SDPA
+# (gather + its GEMMs) instead: one layer, SmolLM2 heads, 2-core AVX2 EPYC, rows -> SDPA:
+# 1 x 1024 tokens 38.2 -> 23.5 ms, 2 x 1024 72.6 -> 37.8, 8 x 512 86.7 -> 67.7, 2,048 rows
+# over 8,192 801 -> 401, 256 rows over 4,096 66.7 -> 30.5, 1 x 256 2.6 -> 2.1; short
+# sequences keep the rows (32 x 64: 8.1 against 16.6, SDPA's loop per sequence). On an
+# AVX-512 Zen 5 fp32 was even at 2 x 2,000 (6.11 vs 6.32 s a run); bf16 keeps the rows there.
+PREFILL_SDPA_FP32_CONTEXT = 256
+
 MAX_BUCKETS = 4  # 1: 306 ms, 4: 228 ms, 8: 240 ms per batch-64 SmolLM2 step, 50-400 tokens
 
 
@@ -252,7 +260,9 @@ class CpuAttention(TorchAttention):
 
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len,
                 scale):
-        if self.cpu_decode is None or max_q_len > PREFILL_AS_DECODE_MAX:
+        if self.cpu_decode is None or max_q_len > PREFILL_AS_DECODE_MAX or (
+                q.dtype == torch.float32
+                and int(seq_lens.sum()) >= PREFILL_SDPA_FP32_CONTEXT * len(seq_lens)):
             return super().prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                    max_q_len, scale)
         tables, lens = self._rows_of(block_tables, cu_seqlens_q, seq_lens)
