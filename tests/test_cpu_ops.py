@@ -49,6 +49,12 @@ CASES = [
     (4, [1000], 32, 128, torch.float32),
     (2, [600, 5], 16, 96, torch.float32),
     (3, [530, 257], 16, 64, torch.float16),
+    # a KV head's query heads over a page at once (page_group.h), in blocks of at most 4:
+    # 3 + 2, 4 + 3 (pages of 32, part-filled), 4 + 4 over converted fp16 pages, 3 + 3 split
+    (5, [37, 100], 16, 64, torch.float32),
+    (7, [19, 64, 5], 32, 128, torch.float32),
+    (8, [33, 2], 16, 64, torch.float16),
+    (6, [300], 16, 64, torch.float32),
 ]
 
 
@@ -284,14 +290,18 @@ def test_sources_are_staged_once_at_stable_paths(tmp_path):
 
 
 @needs_op
-def test_cpu_decode_bench_runs(capsys):
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_cpu_decode_bench_runs(capsys, kv):
     """`tritonserve bench cpu-decode` on tiny shapes: a row per batch, the op (both schedules)
-    and torch timed."""
+    and torch timed, over an fp32 cache or an int8 one."""
     from tritonserve.bench import cpu_decode
     assert cpu_decode.main(["--batches", "1,3", "--input-range", "5:40", "--calls", "2",
                             "--flush-mb", "1", "--pool-mb", "1", "--heads", "4",
-                            "--kv-heads", "2"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+                            "--kv-heads", "2", "--head-dim", "64", "--kv-dtype", kv,
+                            "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"KV cache {'int8' if kv == 'int8' else 'float32'}" in out.splitlines()[0]
+    rows = [line.split() for line in out.splitlines()[2:]]
     assert [int(r[0]) for r in rows] == [1, 3]
     assert all(float(r[2]) > 0 and float(r[4]) > 0 and float(r[6]) > 0 and float(r[7]) > 0
                and float(r[8]) > 0 for r in rows)
@@ -449,8 +459,11 @@ def test_cpu_bf16_attention_uses_the_fused_rope_store(tiny_model):
     calls = []
     fused = torch.ops.tritonserve.rope_store_kv
     backend = CpuAttention()
-    assert backend.rope_store(torch.empty(1, 8, dtype=torch.bfloat16)) is fused
-    assert backend.rope_store(torch.empty(1, 8, dtype=torch.float32)) is None
+    bf16, fp32, int8 = (torch.empty(1, 8, dtype=d) for d in (torch.bfloat16, torch.float32,
+                                                              torch.int8))
+    assert backend.rope_store(bf16, bf16) is fused
+    assert backend.rope_store(fp32, fp32) is None
+    assert backend.rope_store(bf16, int8) is None  # an int8 cache: reference.quantize_kv
     llm = LLM(tiny_model, dtype="bfloat16", max_num_seqs=2, decode_mode="eager")
     runner_backend = llm.engine.runner.backend
     runner_backend.cpu_rope_store = lambda *args: calls.append(args[0].shape) or fused(*args)

@@ -19,7 +19,7 @@ import time
 import torch
 
 from tritonserve.engine.attention import bucketed_decode_attention
-from tritonserve.kernels import cpu
+from tritonserve.kernels import cpu, reference
 
 
 def _median_s(fn, calls: int, flush: torch.Tensor | None) -> float:
@@ -83,6 +83,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--input-range", default="50:400", help="MIN:MAX uniform context lengths")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
+                    help="int8: the cache as --kv-cache-dtype int8 rows (codes + scale)")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -99,22 +101,27 @@ def main(argv: list[str]) -> int:
         print("the C++ op is not available (see the log line): nothing to compare")
         return 1
     dtype = getattr(torch, args.dtype)
+    int8 = args.kv_dtype == "int8"
     low, high = (int(x) for x in args.input_range.split(":"))
     gen = torch.Generator().manual_seed(args.seed)
     flush = torch.ones(args.flush_mb << 18) if args.flush_mb else None
     print(f"read bandwidth (this run): {read_gbps():.1f} GB/s; threads {torch.get_num_threads()}; "
-          f"{args.dtype}, heads {args.heads}/{args.kv_heads} x {args.head_dim}")
+          f"{args.dtype}, heads {args.heads}/{args.kv_heads} x {args.head_dim}, KV cache "
+          f"{'int8' if int8 else args.dtype}")
     print(f"{'batch':>5} {'KV MB':>7} {'C++ op ms':>10} {'GB/s':>6} {'torch ms':>9} {'speed-up':>8} "
           f"{'warm ms':>8} {'cached':>7} {'warm':>7}")
     for batch in (int(b) for b in args.batches.split(",")):
         lens = torch.randint(low, high + 1, (batch,), generator=gen, dtype=torch.int32)
         pages = [-(-int(n) // args.block_size) for n in lens]
-        kv_bytes = int(lens.sum()) * args.kv_heads * args.head_dim * 2 * dtype.itemsize
-        pool = max(sum(pages) * 4, (args.pool_mb << 20) // (args.block_size * args.kv_heads
-                                                    * args.head_dim * 2 * dtype.itemsize))
+        row = (args.head_dim + reference.KV_SCALE_BYTES if int8 else
+               args.head_dim * dtype.itemsize)  # bytes of one token's row of one KV head
+        kv_bytes = int(lens.sum()) * args.kv_heads * row * 2
+        pool = max(sum(pages) * 4,
+                   (args.pool_mb << 20) // (args.block_size * args.kv_heads * row * 2))
         shape = (pool, args.block_size, args.kv_heads, args.head_dim)
-        k_cache = torch.randn(shape, generator=gen).to(dtype)
-        v_cache = torch.randn(shape, generator=gen).to(dtype)
+        k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in "kv")
+        if int8:
+            k_cache, v_cache = reference.quantize_kv(k_cache), reference.quantize_kv(v_cache)
         tables = (engine_tables(pages, args.prompt_pages, pool, gen) if args.layout == "engine"
                   else scattered_tables(pages, pool, gen))
         q = torch.randn(batch, args.heads, args.head_dim, generator=gen).to(dtype)  # [B, H, D]

@@ -10,7 +10,9 @@ captured, then the lm_head over all rows).
 
 Rows by default: the embedded model's GGUF blocks in fp32 against its fp32 conversion (an
 exact format: KL at float rounding), and int8 / int4 quantized at load in bf16 against the
-bf16 conversion.
+bf16 conversion. `--kv`: the int8 KV cache (--kv-cache-dtype int8) against the model's dtype's
+cache, the same weights (the GGUF blocks in fp32, the bf16 conversion); every position's
+attention reads the cache, its own row included.
 """
 from __future__ import annotations
 
@@ -31,10 +33,15 @@ DEFAULT_ROWS = (("gguf", "none", "float32"), ("int8", "none", "bfloat16"),
                 ("int4-g128", "none", "bfloat16"))
 
 
+# (weights, dtype): --kv's rows, int8 cache against the dtype's
+KV_ROWS = (("gguf", "float32"), ("none", "bfloat16"))
+
+
 def window_logprobs(model: str | None, quantization: str, dtype: str,
-                    windows: list[list[int]]) -> list[torch.Tensor]:
+                    windows: list[list[int]], kv_cache_dtype: str = "auto") -> list[torch.Tensor]:
     """Per window, log-softmax of the logits at every position [T, V] (fp32)."""
     engine = LLMEngine(build_config(model, dtype=dtype, quantization=quantization,
+                                    kv_cache_dtype=kv_cache_dtype,
                                     enable_prefix_caching=False, max_num_seqs=1,
                                     max_num_batched_tokens=max(len(w) for w in windows)))
     runner = engine.runner
@@ -75,12 +82,42 @@ def compare(reference: list[torch.Tensor], form: list[torch.Tensor],
             "ppl": math.exp(nll_form / count), "tokens": count}
 
 
+def greedy_differences(model: str | None, max_tokens: int = 64) -> None:
+    """The conformance suite's probe prompts and the copy-edit set, as chat, greedy with the
+    model's dtype's KV cache and with int8: which outputs differ, and from which token."""
+    import json
+    from tritonserve.bench.checks_native import PROBE_PROMPTS
+    from tritonserve.engine.llm import LLM
+    from tritonserve.engine.sampling_params import SamplingParams
+    data = Path(__file__).parent / "data" / "copy_edit.jsonl"
+    prompts = PROBE_PROMPTS + [json.loads(line)["prompt"] for line in data.read_text().split("\n")
+                               if line.strip()]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = {}
+    for kv in ("auto", "int8"):
+        llm = LLM(model, kv_cache_dtype=kv)
+        chats = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                   add_generation_prompt=True, tokenize=False)
+                 for p in prompts]
+        outputs[kv] = [o.token_ids for o in llm.generate(chats, params)]
+        del llm
+    same = 0
+    for i, (a, b) in enumerate(zip(outputs["auto"], outputs["int8"])):
+        if a == b:
+            same += 1
+            continue
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        print(f"  prompt {i} ({prompts[i][:40]!r}...): differs from token {first} of {len(a)}")
+    print(f"greedy, {max_tokens} tokens: {same} of {len(prompts)} outputs identical")
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="tritonserve bench quant-accuracy")
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     ap.add_argument("--corpus", nargs="+", type=Path, default=list(DEFAULT_CORPUS))
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--max-windows", type=int, default=24)
+    ap.add_argument("--kv", action="store_true", help="the int8 KV cache's rows instead")
     args = ap.parse_args(argv)
     text = "\n\n".join(p.read_text() for p in args.corpus)
     engine = LLMEngine(build_config(args.model, dtype="float32", quantization="none",
@@ -94,6 +131,16 @@ def main(argv: list[str]) -> int:
     print("| form | against | dtype | mean KL | top-1 agreement | perplexity (reference -> "
           "form) |")
     print("|---|---|---|---|---|---|")
+    if args.kv:
+        for weights, dtype in KV_ROWS:
+            reference = window_logprobs(args.model, weights, dtype, windows)
+            got = window_logprobs(args.model, weights, dtype, windows, kv_cache_dtype="int8")
+            r = compare(reference, got, windows)
+            print(f"| int8 KV cache | {dtype} KV cache, weights {weights} | {dtype} | "
+                  f"{r['kl']:.2e} | {100 * r['top1']:.2f} % | {r['ppl_ref']:.3f} -> "
+                  f"{r['ppl']:.3f} |", flush=True)
+        greedy_differences(args.model)
+        return 0
     references: dict[tuple[str, str], list[torch.Tensor]] = {}
     for form, against, dtype in DEFAULT_ROWS:
         key = (against, dtype)

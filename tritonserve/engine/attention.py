@@ -61,7 +61,7 @@ class AttentionBackend:
                 max_q_len: int, scale: float) -> torch.Tensor:
         raise NotImplementedError
 
-    def rope_store(self, qkv: torch.Tensor):
+    def rope_store(self, qkv: torch.Tensor, k_cache: torch.Tensor):
         """A fused rope + store for this qkv projection output, or None (the model then
         rotates q and k itself and calls forward): called as fn(qkv [T, (H + 2 Hk) D], cos,
         sin [T, 1, D], slot_mapping, k_cache, v_cache, num_heads) -> rotated q [T, H, D],
@@ -214,8 +214,7 @@ class TorchAttention(AttentionBackend):
         so the host check goes and the scatter is traced into the graph. Through the op it cost
         0.26 ms a call (batch 1, 60 calls a step); traced, the compiled batch-1 SmolLM2 step
         went from 89.8 to 78.7 ms."""
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+        reference.write_kv_rows(k, v, k_cache, v_cache, slot_mapping)
 
     def decode(self, q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale):
         return bucketed_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
@@ -244,11 +243,12 @@ class CpuAttention(TorchAttention):
         self._rows = None  # the last prefill's (inputs, rows): _rows_of
         self.takes_masks = self.cpu_decode is not None
 
-    def rope_store(self, qkv):
+    def rope_store(self, qkv, k_cache):
         """bf16 / fp16: the C++ op (fp32 math rounded once, as rotary_embedding); fp32 keeps
         torch's op-by-op rope, which the greedy parity with transformers is token-identical
-        to."""
-        if self.cpu_rope_store is None or qkv.dtype not in (torch.bfloat16, torch.float16):
+        to; an int8 cache takes reference.quantize_kv's store."""
+        if self.cpu_rope_store is None or qkv.dtype not in (torch.bfloat16, torch.float16) \
+                or k_cache.dtype != qkv.dtype:
             return None
         return self.cpu_rope_store
 

@@ -99,6 +99,7 @@ class LLMEngine:
         identity = cache_identity(self.model_path, gguf_source(self.model_path),
                                   config.torch_dtype, {
                                       "quantization": config.quantization,
+                                      "kv_cache_dtype": cache.kv_cache_dtype,
                                       "load_format": config.load_format,
                                       "seed": config.seed if config.load_format == "dummy"
                                       else None})

@@ -83,7 +83,7 @@ def profiled_cache_blocks(config: EngineConfig, arch: ModelArch, step_peak: int)
 
 
 def blocks_in(budget: int, config: EngineConfig, arch: ModelArch) -> int:
-    per_block = arch.kv_bytes_per_token(config.torch_dtype) * config.cache.block_size
+    per_block = arch.kv_bytes_per_token(config.kv_dtype) * config.cache.block_size
     blocks = budget // per_block
     if blocks < 1:
         raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of "
@@ -96,7 +96,7 @@ def cpu_cache_bytes(config: EngineConfig, arch: ModelArch) -> int:
     available = available_memory_bytes()
     if available is None:
         return CPU_MAX_AUTO_BYTES // 4
-    useful = (2 * config.scheduler.max_num_seqs * arch.kv_bytes_per_token(config.torch_dtype)
+    useful = (2 * config.scheduler.max_num_seqs * arch.kv_bytes_per_token(config.kv_dtype)
               * (config.scheduler.max_model_len or arch.max_position_embeddings))
     budget = min(CPU_MAX_AUTO_BYTES, useful, int(CPU_AUTO_SHARE * (available - weights)))
     if budget <= 0:
@@ -161,7 +161,7 @@ class DeviceMemory:
 def check_cache_fits_memory(num_blocks: int, config: EngineConfig, arch: ModelArch) -> None:
     """A CPU cache larger than the memory left after the weights fails here with a message,
     not later in the kernel's OOM killer."""
-    need = num_blocks * config.cache.block_size * arch.kv_bytes_per_token(config.torch_dtype)
+    need = num_blocks * config.cache.block_size * arch.kv_bytes_per_token(config.kv_dtype)
     available = available_memory_bytes()
     if available is not None and need > available:
         raise ValueError(

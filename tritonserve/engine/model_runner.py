@@ -121,9 +121,10 @@ class ModelRunner:
         sched = self.config.scheduler
         tokens = max(1, sched.max_num_batched_tokens)
         lengths = [min(max_model_len, tokens - start) for start in range(0, tokens, max_model_len)]
-        shape = (1, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device))
+        kv_dtype = self.config.kv_dtype
+        shape = (1, self.block_size, self.arch.num_kv_heads, self.arch.kv_row(kv_dtype))
+        caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                   torch.zeros(shape, dtype=kv_dtype, device=self.device))
                   for _ in range(self.arch.num_layers)]
         width = -(-max(lengths) // self.block_size)
         cu = [0]
@@ -157,15 +158,15 @@ class ModelRunner:
         config, arch = self.config, self.arch
         self.num_blocks = num_blocks
         self.memory.check_cache_fits(self.num_blocks, config, arch)
-        shape = (self.num_blocks + 1, self.block_size, arch.num_kv_heads, arch.head_dim)
+        kv_dtype = config.kv_dtype
+        shape = (self.num_blocks + 1, self.block_size, arch.num_kv_heads, arch.kv_row(kv_dtype))
         allocate = self.memory.allocate_cache
         try:
-            self.kv_caches = [(allocate(shape, config.torch_dtype),
-                               allocate(shape, config.torch_dtype))
+            self.kv_caches = [(allocate(shape, kv_dtype), allocate(shape, kv_dtype))
                               for _ in range(arch.num_layers)]
         except torch.OutOfMemoryError:
             self.kv_caches = []
-            need = self.num_blocks * self.block_size * arch.kv_bytes_per_token(config.torch_dtype)
+            need = self.num_blocks * self.block_size * arch.kv_bytes_per_token(kv_dtype)
             raise ValueError(f"the KV cache ({need / 2**30:.2f} GiB, {self.num_blocks} blocks) "
                              f"does not fit in {self.device} memory next to the weights; lower "
                              f"cache_bytes / num_blocks") from None

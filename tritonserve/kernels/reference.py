@@ -8,14 +8,46 @@ from __future__ import annotations
 import torch
 
 
+# An int8 KV cache row (one token, one KV head): head_dim int8 codes, then the row's fp32
+# scale as 4 bytes, so the caches stay one tensor each ([blocks, block_size, kv_heads,
+# head_dim + 4]) and every path that moves blocks (the disk tier, tensor parallelism) moves
+# the scales with them.
+KV_SCALE_BYTES = 4
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_dim] -> int8 rows [..., head_dim + 4]: symmetric, one scale a row
+    (absmax / 127, so the largest value is exact), codes rounded to nearest."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127.0
+    codes = torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([codes, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor) -> torch.Tensor:
+    """int8 cache rows [..., head_dim + 4] -> fp32 [..., head_dim]; any other dtype as is."""
+    if rows.dtype != torch.int8:
+        return rows
+    scale = rows[..., -KV_SCALE_BYTES:].contiguous().view(torch.float32)
+    return rows[..., :-KV_SCALE_BYTES].float() * scale
+
+
 def store_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k, v [T, kv_heads, head_dim] into caches [blocks, block_size, kv_heads, head_dim] at
-    slot = block * block_size + offset; slot -1 is padding and skipped."""
+    slot = block * block_size + offset; slot -1 is padding and skipped. An int8 cache
+    (head_dim + 4 a row) gets quantize_kv's rows."""
     slots = slot_mapping.long()
     if bool((slots < 0).any()):
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
+    write_kv_rows(k, v, k_cache, v_cache, slots)
+
+
+def write_kv_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """store_kv_cache without the padding check (every slot >= 0): traceable."""
+    if k_cache.dtype == torch.int8:
+        k, v = quantize_kv(k), quantize_kv(v)
     # index_copy_ rather than an indexed assignment: 3x faster on the CPU
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
@@ -47,8 +79,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_blocks = -(-int(seq_lens.max()) // block_size)
     blocks = block_tables[:, :num_blocks].reshape(-1).long()
     context = num_blocks * block_size
-    keys = k_cache.index_select(0, blocks).view(batch, context, num_kv_heads, head_dim)
-    values = v_cache.index_select(0, blocks).view(batch, context, num_kv_heads, head_dim)
+    keys = dequantize_kv(k_cache.index_select(0, blocks)).view(batch, context, num_kv_heads,
+                                                                 head_dim)
+    values = dequantize_kv(v_cache.index_select(0, blocks)).view(batch, context, num_kv_heads,
+                                                                   head_dim)
     invalid = (torch.arange(context, device=q.device)[None, :]
                >= seq_lens[:, None].to(q.device))  # [B, L]
     # slots past a sequence's end may hold anything (even NaN): zero just those rows
@@ -80,8 +114,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     for s, q_start, q_end, seq_len in _sequences(cu_seqlens_q, seq_lens):
         q_len = q_end - q_start
         blocks = block_tables[s, :-(-seq_len // block_size)].long()
-        keys = k_cache[blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)  # [kvh, L, d]
-        values = v_cache[blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)
+        keys = dequantize_kv(k_cache[blocks].flatten(0, 1)[:seq_len]).float().transpose(0, 1)
+        values = dequantize_kv(v_cache[blocks].flatten(0, 1)[:seq_len]).float().transpose(0, 1)
         qs = q[q_start:q_end].float().transpose(0, 1)  # [heads, q_len, d]
         if q_len == seq_len:  # no cached prefix: plain causal attention
             mask, causal = None, True
@@ -113,8 +147,8 @@ def paged_attention_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         first_block = max(0, first_pos - window + 1) // block_size if window else 0
         blocks = block_tables[s, first_block:-(-seq_len // block_size)].long()
         start = first_block * block_size  # the position of the first key read
-        keys = k_cache[blocks].flatten(0, 1)[:seq_len - start].float()  # [L, kvh, d]
-        values = v_cache[blocks].flatten(0, 1)[:seq_len - start].float()
+        keys = dequantize_kv(k_cache[blocks].flatten(0, 1)[:seq_len - start]).float()
+        values = dequantize_kv(v_cache[blocks].flatten(0, 1)[:seq_len - start]).float()
         keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, d]
         values = values.repeat_interleave(group, dim=1).transpose(0, 1)
         qs = q[q_start:q_end].float().transpose(0, 1)  # [heads, q_len, d]

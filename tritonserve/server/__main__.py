@@ -16,9 +16,9 @@ from aiohttp import web
 from tritonserve.engine import LLMEngine
 from tritonserve.engine.parallel import exit_process
 from tritonserve.engine.tp_runner import serve_rank
-from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, POOLING_CHOICES,
-                                       QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig,
-                                       SpeculativeConfig)
+from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, KV_CACHE_DTYPES,
+                                       POOLING_CHOICES, QUANTIZATIONS, CacheConfig, EngineConfig,
+                                       SchedulerConfig, SpeculativeConfig)
 from tritonserve.engine.limits import RequestLimits
 from tritonserve.engine.models.gguf import SERVED as GGUF_SERVED
 from tritonserve.engine.models import supported_models
@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="CUDA: the share of device memory for weights, activations and cache")
     p.add_argument("--no-prefix-caching", action="store_true",
                    default=not c.enable_prefix_caching)
+    p.add_argument("--kv-cache-dtype", default=c.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="auto: the model's dtype; int8: each token's K/V rows as int8 codes "
+                   "with a scale each (1.9x the tokens of a bf16 cache, 3.8x of fp32)")
     p.add_argument("--prefix-cache-dir", default=c.prefix_cache_dir,
                    help="a folder for the prefix cache's second tier: full KV blocks written "
                    "there behind the engine, read back on a miss, kept across restarts")
@@ -209,7 +212,8 @@ def engine_config(args: argparse.Namespace):
         num_blocks=args.num_blocks, cache_bytes=None if args.num_blocks else args.cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching,
-        prefix_cache_dir=args.prefix_cache_dir, prefix_cache_disk_gb=args.prefix_cache_disk_gb,
+        kv_cache_dtype=args.kv_cache_dtype, prefix_cache_dir=args.prefix_cache_dir,
+        prefix_cache_disk_gb=args.prefix_cache_disk_gb,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_prompt_only_tokens=args.max_prompt_only_tokens,
@@ -235,9 +239,10 @@ async def serve_http(app: web.Application, args: argparse.Namespace,
     await site.start()
     card = app[STATE].engine.card
     engines = f"{card.engines} engines; " if card.engines > 1 else ""
-    logging.info("serving %s on http://%s:%d (%s%s; %s; %s; %d KV blocks of %d tokens)",
+    kv = "" if card.kv_cache_dtype == "auto" else f" ({card.kv_cache_dtype})"
+    logging.info("serving %s on http://%s:%d (%s%s; %s; %s; %d KV blocks%s of %d tokens)",
                  card.name, args.host, args.port, engines, card.dtype, card.plan.describe(),
-                 card.kernels, card.num_kv_blocks, card.block_size)
+                 card.kernels, card.num_kv_blocks, kv, card.block_size)
     print(f"READY http://{args.host}:{args.port}", flush=True)
     await stop.wait()
     logging.info("draining (grace period %.1f s)", args.grace_period)

@@ -29,6 +29,7 @@ class ModelCard:
     hidden_size: int = 0  # an embedding's length before `dimensions`
     pooling: Pooling | None = None  # how /v1/embeddings pools (engine/pooling.py)
     loras: tuple[str, ...] = ()  # LoRA adapters a request's `model` may name (engine/lora.py)
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype (auto: the model's dtype)
 
     def names(self) -> tuple[str, ...]:
         """The names a request's `model` field may use (the folder's path too, as vLLM)."""
@@ -80,4 +81,5 @@ def card_of(engine: LLMEngine, served_names: tuple[str, ...] = ()) -> ModelCard:
         num_kv_blocks=engine.kv_cache.num_blocks, block_size=engine.kv_cache.block_size,
         dtype=engine.config.dtype, plan=engine.runner.plan,
         kernels=engine.runner.kernels_in_use(), hidden_size=engine.arch.hidden_size,
-        pooling=engine.pooling, loras=tuple(engine.loras))
+        pooling=engine.pooling, loras=tuple(engine.loras),
+        kv_cache_dtype=engine.config.cache.kv_cache_dtype)

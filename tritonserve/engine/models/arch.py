@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ...kernels.reference import KV_SCALE_BYTES
 from .family import DecoderVariant, family_for
 
 
@@ -136,7 +137,12 @@ class ModelArch:
         return 2.0 * (self.num_layers * attn + self.mlp_params(active=True)
                       + self.vocab_size * h)
 
+    def kv_row(self, dtype: torch.dtype) -> int:
+        """Elements of one (token, KV head) cache row: an int8 cache's rows carry their fp32
+        scale after the codes (kernels/reference.py's quantize_kv)."""
+        return self.head_dim + (KV_SCALE_BYTES if dtype == torch.int8 else 0)
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = torch.finfo(dtype).bits // 8
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        elem = 1 if dtype == torch.int8 else torch.finfo(dtype).bits // 8
+        return 2 * self.num_layers * self.num_kv_heads * self.kv_row(dtype) * elem
 

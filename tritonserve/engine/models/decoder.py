@@ -75,7 +75,7 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         masks = dict(window=self.window, softcap=self.softcap)
         whole = rope is not None and rope[0].shape[-1] == self.head_dim
-        fused = ctx.backend.rope_store(qkv) if whole and not self.qk_norm else None
+        fused = ctx.backend.rope_store(qkv, k_cache) if whole and not self.qk_norm else None
         if fused is not None:  # rope, the split and the cache write in one op
             q = fused(qkv, *rope, ctx.meta.slot_mapping, k_cache, v_cache, self.num_heads)
             out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale, **masks)

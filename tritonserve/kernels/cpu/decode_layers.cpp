@@ -240,12 +240,26 @@ struct Team {
     const T* row = st.qkv_p + b * st.qkv_n;
     const T* cb = st.cos_p + b * D;
     const T* sb = st.sin_p + b * D;
-    T* kc = st.k_p[l] + slot * kv_size;
-    T* vc = st.v_p[l] + slot * kv_size;
     T* qb = st.q_p + b * q_size;
-    for (int64_t hk = h0; hk < h1; ++hk) {
+    for (int64_t hk = h0; hk < h1; ++hk)
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
         tritonserve_rows::rotate_row(row + h * D, cb, sb, qb + h * D, D / 2);
+    if (st.int8_kv) {  // rows of codes + scale: the rotated k through a row of T first
+      const int64_t head_row = D + tritonserve_decode_portable::kScaleBytes<int8_t>;
+      int8_t* kc = st.k8[l] + slot * st.kv_heads * head_row;
+      int8_t* vc = st.v8[l] + slot * st.kv_heads * head_row;
+      std::vector<T> k_row(D);
+      for (int64_t hk = h0; hk < h1; ++hk) {
+        tritonserve_rows::rotate_row(row + q_size + hk * D, cb, sb, k_row.data(), D / 2);
+        tritonserve_decode_portable::quantize_row(k_row.data(), kc + hk * head_row, D);
+        tritonserve_decode_portable::quantize_row(row + q_size + kv_size + hk * D,
+                                                  vc + hk * head_row, D);
+      }
+      return;
+    }
+    T* kc = st.k_p[l] + slot * kv_size;
+    T* vc = st.v_p[l] + slot * kv_size;
+    for (int64_t hk = h0; hk < h1; ++hk) {
       tritonserve_rows::rotate_row(row + q_size + hk * D, cb, sb, kc + hk * D, D / 2);
       std::memcpy(vc + hk * D, row + q_size + kv_size + hk * D, D * sizeof(T));
     }
@@ -255,9 +269,15 @@ struct Team {
   void attend(int64_t l, const Item& it, const Item* following, int64_t b) {
     const T* q_b = st.q_p + b * st.q_size;
     T* att_b = st.att_p + b * st.q_size;
+    const int64_t D = st.D;
+    if (st.int8_kv) {
+      st.int8_attend(q_b, st.k8[l], st.v8[l], it.table, it.len, st.block_size, st.kv_heads, D,
+                     st.group, it.h0, it.h1, scale, att_b, D, D, false, 0, 0.0f, it.p0, it.p1,
+                     it.partial);
+      return;
+    }
     const T* kc = st.k_p[l];
     const T* vc = st.v_p[l];
-    const int64_t D = st.D;
     if constexpr (kBf16) {
       st.bf16_attend(
           reinterpret_cast<const uint16_t*>(q_b), reinterpret_cast<const uint16_t*>(kc),

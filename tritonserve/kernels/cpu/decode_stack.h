@@ -95,6 +95,8 @@ struct Stack {
   const T *cos_p, *sin_p;
   const int64_t* slot_p;
   std::vector<T*> k_p, v_p;  // [L]
+  bool int8_kv = false;  // the caches hold int8 rows (k8, v8; k_p and v_p stay empty)
+  std::vector<int8_t*> k8, v8;  // [L]
   std::unique_ptr<Owned[]> owned;  // the panels of matmul i, thread t: [i * threads + t]
   std::unique_ptr<std::atomic<int64_t>[]> next;  // a layer's next attention item
   std::unique_ptr<tritonserve_sweep::Items> work;
@@ -105,6 +107,7 @@ struct Stack {
   // the attention instance for the shapes (the item's KV heads [h0, h1))
   tritonserve_decode_bf16::SeqFn bf16_attend = nullptr;
   decltype(&tritonserve_decode_portable::decode_seq<float, 0>) fp32_attend = nullptr;
+  decltype(&tritonserve_decode_portable::decode_seq<T, 0, int8_t>) int8_attend = nullptr;
 
   explicit Stack(const Args& args) : a(args) {
     check();
@@ -128,13 +131,18 @@ struct Stack {
                       a.final_norm->scalar_type() == dtype,
                   "decode_layers: final_norm must be [H] in x's dtype");
     const auto& k0 = a.k_caches[0];
-    block_size = k0.size(1), kv_heads = k0.size(2), D = k0.size(3);
+    // an int8 cache: rows of D codes + their fp32 scale (paged_decode_portable.h)
+    int8_kv = k0.scalar_type() == torch::kChar;
+    const auto kv_dtype = int8_kv ? torch::kChar : dtype;
+    block_size = k0.size(1), kv_heads = k0.size(2);
+    D = k0.size(3) - (int8_kv ? tritonserve_decode_portable::kScaleBytes<int8_t> : 0);
     for (int64_t l = 0; l < L; ++l)
       TORCH_CHECK(a.k_caches[l].sizes() == k0.sizes() && a.v_caches[l].sizes() == k0.sizes() &&
                       a.k_caches[l].is_contiguous() && a.v_caches[l].is_contiguous() &&
-                      a.k_caches[l].scalar_type() == dtype &&
-                      a.v_caches[l].scalar_type() == dtype,
-                  "decode_layers: every layer's caches must be contiguous, one shape, x's dtype");
+                      a.k_caches[l].scalar_type() == kv_dtype &&
+                      a.v_caches[l].scalar_type() == kv_dtype,
+                  "decode_layers: every layer's caches must be contiguous, one shape, x's "
+                  "dtype or int8");
     TORCH_CHECK(a.num_heads >= 1 && a.num_heads % kv_heads == 0 && D % 2 == 0,
                 "decode_layers: num_heads must be a multiple of the caches' kv_heads");
     group = a.num_heads / kv_heads;
@@ -294,8 +302,13 @@ struct Stack {
     xs_p = data<T>(xs), qkv_p = data<T>(qkv), q_p = data<T>(q), att_p = data<T>(att);
     o_p = data<T>(o), gu_p = data<T>(gate_up), act_p = data<T>(act);
     cos_p = data<T>(c), sin_p = data<T>(s), slot_p = slot.data_ptr<int64_t>();
-    for (int64_t l = 0; l < L; ++l)
+    for (int64_t l = 0; l < L && int8_kv; ++l)
+      k8.push_back(a.k_caches[l].data_ptr<int8_t>()), v8.push_back(a.v_caches[l].data_ptr<int8_t>());
+    for (int64_t l = 0; l < L && !int8_kv; ++l)
       k_p.push_back(data<T>(a.k_caches[l])), v_p.push_back(data<T>(a.v_caches[l]));
+    int8_attend = D == 64    ? tritonserve_decode_portable::decode_seq<T, 64, int8_t>
+                  : D == 128 ? tritonserve_decode_portable::decode_seq<T, 128, int8_t>
+                             : tritonserve_decode_portable::decode_seq<T, 0, int8_t>;
     if constexpr (kBf16) bf16_attend = tritonserve_decode_bf16::pick(D, group, block_size, false);
     fp32_attend = D == 64    ? tritonserve_decode_portable::decode_seq<float, 64>
                   : D == 128 ? tritonserve_decode_portable::decode_seq<float, 128>

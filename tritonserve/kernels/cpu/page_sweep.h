@@ -179,6 +179,11 @@ struct Items {
     if (split_pages && batch >= 1 && batch <= kSplitBatch) {
       const int64_t pages = (int64_t(lens[order[0]]) + block_size - 1) / block_size;
       parts = (pages + part_pages - 1) / part_pages;
+      // parts enough for every thread: each takes all KV heads, so a page is read as one
+      // contiguous run (an int8 row of 68 bytes a head shares its cache lines with the next
+      // head's; one head an item read each line up to twice) and a call has a third of the
+      // items (8k tokens, SmolLM2, int8: the figure in docs/benchmarks.md, long context)
+      if (batch * parts >= 4 * threads) split = 1;
     }
     count = batch * split * parts;
   }

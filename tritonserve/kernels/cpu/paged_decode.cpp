@@ -6,12 +6,12 @@
 // the pages read into the cache a sweep ahead (page_sweep.h; not for `cached` rows); scores
 // for the page, then an online-softmax update of the accumulators (flash-decoding's
 // recurrence, in fp32 whatever the cache dtype; a bf16/fp16 page is converted once, not once
-// per query head). The value pass runs head by head so each head's accumulator stays in
-// registers. Measured (batch 64, SmolLM2 heads, lengths 50-400, pages scattered, fp32):
+// per query head). Head sizes 64 / 128 / 256 score and weigh a KV head's whole group of query
+// heads over each page at once (page_group.h). Measured (batch 64, SmolLM2 heads, lengths 50-400, pages scattered, fp32):
 // 4.0-4.9 ms per call with one (sequence, KV head) per item and a row at a time, 2.6-3.0 ms
 // now; bf16 4.5 -> 2.5 ms (docs/perf-log/2026-cpu-decode.md). On a Zen 5, in the engine (batch 64, 128-
 // token prompts, bf16): a vectorised exp 698-702 -> 616-635 us a call, then the dots of 16
-// tokens summed in one shuffle tree (page_scores) 640-657 -> 586-618.
+// tokens summed in one shuffle tree 640-657 -> 586-618 (since replaced by page_group.h).
 // bf16 caches on a build with AVX512-BF16 take paged_decode_bf16.h instead (scores by
 // vdpbf16ps on the raw pages, no conversion buffers): warm 0.27 -> 0.13 ms a call, in the
 // engine (batch 64, 64-token prompts) 327 -> 240-290 us; with the next pages asked for
@@ -19,7 +19,9 @@
 // `cached` (prefill rows, whose pages were just written) picks that kernel's schedule for
 // cached pages; the portable path only skips its sweep. `window` (> 0: a sliding window, each
 // row seeing its last `window` tokens, the pages before them not read) and `softcap` (> 0:
-// Gemma 2's score soft-cap) run the portable path in every dtype.
+// Gemma 2's score soft-cap) run the portable path in every dtype, as does an int8 cache
+// (rows of head_dim codes + an fp32 scale: --kv-cache-dtype int8), its codes converted in
+// registers (page_group.h).
 // Registered as torch.ops.tritonserve.paged_decode_attention (CPU); kernels/cpu/__init__.py
 // builds it and registers the fake (shape-only) implementation torch.compile traces with.
 #include <torch/extension.h>
@@ -50,12 +52,17 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "q [B, H, D] and caches [blocks, block_size, kv_heads, D] expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  // an int8 cache: rows of head_dim codes + their fp32 scale (paged_decode_portable.h)
+  const bool int8_kv = k_cache.scalar_type() == torch::kChar;
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || int8_kv,
+              "q and cache dtypes differ (an int8 cache aside)");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && heads % kv_heads == 0, "head shapes do not fit");
+  TORCH_CHECK(k_cache.size(3) == head_dim + (int8_kv ? 4 : 0) && heads % kv_heads == 0,
+              "head shapes do not fit");
   const int64_t group = heads / kv_heads;
   auto qc = q.stride(2) == 1 ? q : q.contiguous();
   auto tables = block_tables.contiguous();
@@ -95,7 +102,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     });
   };
   const int64_t q_seq_stride = qc.stride(0), q_head_stride = qc.stride(1);
-  if (plain && q.scalar_type() == at::kBFloat16) {  // an instance only with AVX512-BF16
+  if (plain && q.scalar_type() == at::kBFloat16 && !int8_kv) {  // only with AVX512-BF16
     if (auto one = tritonserve_decode_bf16::pick(head_dim, group, block_size, cached)) {
       using tritonserve_decode_bf16::Item;
       const auto* q_ptr = reinterpret_cast<const uint16_t*>(qc.data_ptr());
@@ -119,16 +126,14 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       return out;
     }
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    const scalar_t* q_ptr = qc.data_ptr<scalar_t>();
-    const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-    const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
-    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  auto portable = [&](auto* k_ptr, auto* v_ptr, auto* q_ptr, auto* out_ptr) {
+    using scalar_t = std::remove_cv_t<std::remove_pointer_t<decltype(q_ptr)>>;
+    using cache_t = std::remove_cv_t<std::remove_pointer_t<decltype(k_ptr)>>;
     // 256: Gemma 2 / 3 (their 270M shape, batch 16, ~100 tokens: 250 us a call generic)
-    auto one = head_dim == 64    ? decode_seq<scalar_t, 64>
-               : head_dim == 128 ? decode_seq<scalar_t, 128>
-               : head_dim == 256 ? decode_seq<scalar_t, 256>
-                                 : decode_seq<scalar_t, 0>;
+    auto one = head_dim == 64    ? decode_seq<scalar_t, 64, cache_t>
+               : head_dim == 128 ? decode_seq<scalar_t, 128, cache_t>
+               : head_dim == 256 ? decode_seq<scalar_t, 256, cache_t>
+                                 : decode_seq<scalar_t, 0, cache_t>;
     for_each_item([&](int64_t item, int64_t) {
       const tritonserve_sweep::Item it = work.at(item);
       const int64_t b = work.seq(item);
@@ -143,6 +148,14 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
           tritonserve_sweep::merge_parts(work, r / heads, r % heads, out_ptr + r * head_dim,
                                          [](float x) { return static_cast<scalar_t>(x); });
       });
+  };
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    if (int8_kv)
+      portable(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+               qc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>());
+    else
+      portable(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+               qc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>());
   });
   return out;
 }

@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from .decode_attention import MAX_SPLITS, _decode_kernel, _merge_splits_kernel  # noqa: E402
 from .fused_moe import _moe_gemm_kernel  # noqa: E402
-from .kv_cache_write import _store_kv_kernel  # noqa: E402
+from .kv_cache_write import _store_kv_int8_kernel, _store_kv_kernel  # noqa: E402
 from .lora import _expand_kernel, _shrink_kernel  # noqa: E402
 from .prefill_attention import _prefill_kernel, tuning_space  # noqa: E402
 from .quant_matmul import KINDS, _quant_matmul_kernel, block_shape, kernel_args  # noqa: E402
@@ -59,7 +59,7 @@ def variants():
         cache = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}",
                  "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": f"*{dtype}",
                  "cu_seqlens_q_ptr": "*i32", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32",
-                 "part_sum_ptr": "*fp32"}
+                 "part_sum_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
         masks = {"scale": "fp32", "window": "i32", "softcap": "fp32"}
         # the last shape also with a window and a soft-cap (Gemma 2 / 3)
         for splits, head_dim, group, block, masked in (
@@ -72,7 +72,7 @@ def variants():
                         BLOCK_G=max(16, triton.next_power_of_2(group)),
                         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block,
                         TILE_N=max(block, 32 if fp32 else 64), NUM_SPLITS=splits, FP32=fp32,
-                        PRECISION=precision, WINDOWED=masked, SOFTCAPPED=masked), {})
+                        PRECISION=precision, WINDOWED=masked, SOFTCAPPED=masked, INT8=False), {})
         # every tuned config in bf16; fp16 is the same code with another element type, so one
         # config there (each 128-row variant costs ptxas 4-8 s: CI time)
         space = tuning_space(fp32) if dtype != "fp16" else tuning_space(fp32)[:1]
@@ -87,7 +87,7 @@ def variants():
                         BLOCK_G=triton.next_power_of_2(group),
                         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block,
                         FP32=fp32, PRECISION=precision, BLOCK_M=rows, TILE_N=keys,
-                        WINDOWED=masked, SOFTCAPPED=masked),
+                        WINDOWED=masked, SOFTCAPPED=masked, INT8=False),
                    {"num_warps": warps, "num_stages": stages})
         for splits in (4, MAX_SPLITS):
             yield (f"merge splits{splits} -> {dtype}", _merge_splits_kernel, cache, {},
@@ -96,6 +96,28 @@ def variants():
                {"k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}",
                 "v_cache_ptr": f"*{dtype}", "slot_ptr": "*i64"}, {},
                dict(ROW=1024, BLOCK=1024), {})
+    # an int8 KV cache (--kv-cache-dtype int8) under bf16 queries: decode (split and not),
+    # prefill (the fp32 tile: its K/V are fp32 once scaled) and the quantizing store
+    int8_cache = {"q_ptr": "*bf16", "k_cache_ptr": "*i8", "v_cache_ptr": "*i8",
+                  "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "block_tables_ptr": "*i32",
+                  "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "cu_seqlens_q_ptr": "*i32",
+                  "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
+    masks = {"scale": "fp32", "window": "i32", "softcap": "fp32"}
+    for splits in (1, 4):
+        yield (f"decode bf16 int8-cache d128 g4 bs16 splits{splits}", _decode_kernel,
+               int8_cache, masks,
+               dict(NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128,
+                    BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=splits, FP32=True, PRECISION="tf32",
+                    WINDOWED=False, SOFTCAPPED=False, INT8=True), {})
+    rows, keys, warps, stages = tuning_space(True)[0]
+    yield ("prefill bf16 int8-cache g4 d128 bs16", _prefill_kernel, int8_cache, masks,
+           dict(GROUP=4, HEAD_DIM=128, BLOCK_G=4, BLOCK_D=128, BLOCK_SIZE=16, FP32=True,
+                PRECISION="tf32", BLOCK_M=rows, TILE_N=keys, WINDOWED=False, SOFTCAPPED=False,
+                INT8=True), {"num_warps": warps, "num_stages": stages})
+    yield ("store_kv_cache bf16 -> int8", _store_kv_int8_kernel,
+           {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*i8", "v_cache_ptr": "*i8",
+            "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "slot_ptr": "*i64"}, {},
+           dict(KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), {})
     for dtype in ("bf16", "fp16"):  # w4a16 / w8a16 (s8h: Q6_K) at a decode batch and a wide one
         for kind in KINDS:
             for rows in (1, 64):

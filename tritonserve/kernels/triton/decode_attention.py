@@ -18,22 +18,24 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (attention_shapes, compute_in_fp32, dot_precision, load_kv_tile,
-                      num_sms, online_softmax_update)
+from ._common import (attention_shapes, compute_in_fp32, dot_precision, int8_scales,
+                      load_kv_tile, num_sms, online_softmax_update)
 
 MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 64  # a power of two: the merge kernel reads the splits as one tl.arange
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                   seq_lens_ptr,
                    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale, window, softcap,
                    stride_qs, stride_qh, stride_bts, stride_cb, stride_ct, stride_ch,
                    stride_os, stride_oh,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32: tl.constexpr,
-                   PRECISION: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr):
+                   PRECISION: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr,
+                   INT8: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -64,9 +66,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         # a tile of TILE_N tokens spans TILE_N / BLOCK_SIZE pages: gather their slots
         pos = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
         valid = (pos < seq_len) & (pos >= first)  # slots past seq_len may hold anything
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bts, pos,
-                            valid, d, d_mask, kv_head, stride_cb, stride_ct, stride_ch,
-                            BLOCK_SIZE, True, FP32)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                            block_tables_ptr + seq * stride_bts, pos, valid, d, d_mask, kv_head,
+                            stride_cb, stride_ct, stride_ch, BLOCK_SIZE, True, FP32, INT8,
+                            HEAD_DIM)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, TILE_N]
         if SOFTCAPPED:  # softcap * tanh(s / softcap), tanh as 1 - 2 / (e^2x + 1)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -147,6 +150,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     block_d = triton.next_power_of_2(head_dim)
+    int8, k_scale, v_scale = int8_scales(k_cache, v_cache)
     if num_splits > 1:
         rows = num_seqs * num_heads * num_splits
         part_acc = torch.empty(rows, block_d, dtype=torch.float32, device=q.device)
@@ -155,14 +159,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_max = part_sum = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_max, part_sum, scale,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, out, part_acc, part_max,
+        part_sum, scale,
         window or 0, softcap or 0.0, q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_N=tile_tokens(block_size, q.dtype),
-        NUM_SPLITS=num_splits, FP32=compute_in_fp32(q.dtype),
-        PRECISION=dot_precision(q.dtype), WINDOWED=bool(window), SOFTCAPPED=bool(softcap))
+        NUM_SPLITS=num_splits, FP32=compute_in_fp32(q.dtype) or int8,
+        PRECISION=dot_precision(q.dtype), WINDOWED=bool(window), SOFTCAPPED=bool(softcap),
+        INT8=int8)
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (attention_shapes, compute_in_fp32, dot_precision, interpreting,
-                      load_kv_tile, online_softmax_update)
+from ._common import (attention_shapes, compute_in_fp32, dot_precision, int8_scales,
+                      interpreting, load_kv_tile, online_softmax_update)
 from .decode_attention import tile_tokens
 
 DEFAULT_BLOCK_M = 64  # rows per program where nothing is tuned (the interpreter)
@@ -48,14 +48,14 @@ def _prune(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr,
-                    seq_lens_ptr, out_ptr, scale, window, softcap,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                    cu_seqlens_q_ptr, seq_lens_ptr, out_ptr, scale, window, softcap,
                     stride_qt, stride_qh, stride_bts, stride_cb, stride_ct, stride_ch,
                     stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr,
                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-                    WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr):
+                    WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr, INT8: tl.constexpr):
     BLOCK_Q = BLOCK_M // BLOCK_G  # query positions per program (a constexpr)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,9 +96,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for key_tile in range(0, full_tiles):
             k_pos = key_tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N], all < seq_len
-            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bts,
-                                k_pos, k_pos, d, d_mask, kv_head, stride_cb, stride_ct,
-                                stride_ch, BLOCK_SIZE, False, FP32)
+            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                block_tables_ptr + seq * stride_bts, k_pos, k_pos, d, d_mask,
+                                kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, False,
+                                FP32, INT8, HEAD_DIM)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE_N]
             m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
         # the diagonal: key 0 is in the first tile any row visits, so no row's max stays -inf
@@ -107,9 +108,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
             in_range = k_pos < seq_len  # slots past seq_len may hold anything (even NaN)
             if WINDOWED:  # nor are the keys before every row's window read (a page freed)
                 in_range = in_range & (k_pos > first_pos - window)
-            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bts,
-                                k_pos, in_range, d, d_mask, kv_head, stride_cb, stride_ct,
-                                stride_ch, BLOCK_SIZE, True, FP32)
+            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                block_tables_ptr + seq * stride_bts, k_pos, in_range, d, d_mask,
+                                kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, True,
+                                FP32, INT8, HEAD_DIM)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             if SOFTCAPPED:  # softcap * tanh(s / softcap), tanh as 1 - 2 / (e^2x + 1)
                 s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
@@ -127,7 +129,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlen
 _tuned_prefill_kernel = triton.autotune(
     configs=[triton.Config({"BLOCK_M": m, "TILE_N": n}, num_warps=w, num_stages=s)
              for m, n, w, s in TUNING_SPACE + [FP32_TILE]],
-    key=["GROUP", "HEAD_DIM", "BLOCK_SIZE", "FP32"],
+    key=["GROUP", "HEAD_DIM", "BLOCK_SIZE", "FP32", "INT8"],
     prune_configs_by={"early_config_prune": _prune})(_prefill_kernel)
 
 
@@ -154,14 +156,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_g = triton.next_power_of_2(group)
-    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, scale,
+    int8, k_scale, v_scale = int8_scales(k_cache, v_cache)
+    args = (q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, out,
+            scale,
             window or 0, softcap or 0.0, q.stride(0), q.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
             out.stride(1))
     shape = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g,
                  BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-                 FP32=compute_in_fp32(q.dtype), PRECISION=dot_precision(q.dtype),
-                 WINDOWED=bool(window), SOFTCAPPED=bool(softcap))
+                 FP32=compute_in_fp32(q.dtype) or int8, PRECISION=dot_precision(q.dtype),
+                 WINDOWED=bool(window), SOFTCAPPED=bool(softcap), INT8=int8)
     if tile is None and interpreting():
         tile = (max(DEFAULT_BLOCK_M, block_g), tile_tokens(block_size, q.dtype))
     if tile is not None:
