@@ -95,6 +95,15 @@ class SchedulerConfig:
     # generation")
     max_prompt_only_tokens: int = 64
     prompt_only_share: float = 0.5
+    # while another request decodes, a prompt longer than this computes at most this many
+    # tokens a step (vLLM's long_prefill_token_threshold): each chunk of a long prompt is a
+    # step every stream beside it waits for. None: 256 on the CPU, no cap on CUDA (a chunk
+    # costs ms there). Beside 4 streams of SmolLM2 on 2 cores (TTFT / the streams' median gap
+    # while it prefilled): an 8,000-token prompt 57 s / 15.5 s with the whole budget (2048)
+    # a step, 40-44 s / 2.5 s at 512, 46-50 s / 1.4 s at 256, 48 s / 0.7-0.8 s at 128; a
+    # 1,000-token one 2.10 / 2.10, 2.47 / 1.24, 2.59 / 0.66, 2.68 / 0.33 s
+    # (docs/benchmarks.md, long context)
+    long_prefill_tokens: int | None = None
     # for priority_window_s after a request of priority p arrives, a step computes at most this
     # many tokens of worse priority (running requests first, least recently run first; new
     # ones wait), so a request arriving then waits for a short step in flight, not a full one.
@@ -104,6 +113,12 @@ class SchedulerConfig:
     # cap on CUDA, where 64 rows cost about what 8 do
     priority_step_tokens: int | None = None
     priority_window_s: float = 30.0
+
+    def long_prefill_tokens_on(self, device: str) -> int | None:
+        """long_prefill_tokens on `device` (None: no cap)."""
+        if self.long_prefill_tokens is not None:
+            return self.long_prefill_tokens
+        return 256 if device == "cpu" else None
 
     def step_tokens_under_priority(self, device: str) -> int | None:
         """priority_step_tokens on `device` (None: no cap)."""
@@ -120,6 +135,8 @@ class SchedulerConfig:
         if not 0 < self.prompt_only_share <= 1:
             raise ValueError(f"prompt_only_share must be in (0, 1], got "
                              f"{self.prompt_only_share}")
+        if self.long_prefill_tokens is not None and self.long_prefill_tokens < 1:
+            raise ValueError(f"long_prefill_tokens must be >= 1, got {self.long_prefill_tokens}")
         if self.priority_step_tokens is not None and self.priority_step_tokens < 1:
             raise ValueError(f"priority_step_tokens must be >= 1, got {self.priority_step_tokens}")
         if self.priority_window_s < 0:

@@ -71,7 +71,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, proposer, spec.max_batch,
                                    self.max_model_len, self.runner.plan.max_rows,
                                    spec.min_acceptance,
-                                   config.scheduler.step_tokens_under_priority(config.device))
+                                   config.scheduler.step_tokens_under_priority(config.device),
+                                   config.scheduler.long_prefill_tokens_on(config.device))
         self.spec_stats = SpecStats()
         eos = set(self.arch.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -3,7 +3,9 @@
 There are no separate prefill and decode phases: every running request asks for the tokens it
 has not computed yet (a whole prompt, a chunk of it, or the one token sampled last step), and
 the scheduler hands out the budget first to running requests, then to waiting ones in arrival
-order. Requests that compute only their prompt (embeddings, scoring) take at most
+order. While another request decodes, a prompt longer than long_prefill_tokens computes at
+most that many tokens a step (each chunk is a step the streams beside it wait for). Requests
+that compute only their prompt (embeddings, scoring) take at most
 max_prompt_only_tokens of a step while another request decodes, and at most prompt_only_share
 of the engine's time: a step with their tokens comes once the decode steps since the last one
 have earned its time (account(), called after every step). A failed block allocation is
@@ -74,9 +76,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  proposer: NgramProposer | None = None, speculate_below: int = 0,
                  max_model_len: int = 0, max_rows: int = 1 << 30,
-                 min_acceptance: float = 0.0, priority_step_tokens: int | None = None
-                 ) -> None:
+                 min_acceptance: float = 0.0, priority_step_tokens: int | None = None,
+                 long_prefill_tokens: int | None = None) -> None:
         self.config = config
+        # SchedulerConfig.long_prefill_tokens on this device (None: no cap)
+        self.long_prefill_tokens = long_prefill_tokens
         self.kv_cache = kv_cache
         self.proposer = proposer
         self.speculate_below = speculate_below  # at most this many running requests
@@ -94,7 +98,7 @@ class Scheduler:
         # prompt_only_share: seconds of prompt-only work earned (< 0: owed) while one decodes
         self._prompt_only_credit = 0.0
         self._num_prompt_only = 0  # unfinished requests with max_tokens 0
-        self._decoding = False  # this step's: some request decodes
+        self._decoding: bool | None = None  # this step's: some request decodes
 
     @property
     def priority_step_tokens(self) -> int | None:
@@ -139,7 +143,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         self._prompt_only_left: int | None = None  # set at the first prompt-only request
-        self._decoding = False
+        self._decoding: bool | None = None  # _someone_decodes, decided at its first call
 
         speculate = self.proposer is not None and len(self.running) <= self.speculate_below
         room = self.max_rows - len(self.running)  # proposals this step may add
@@ -238,21 +242,33 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def _share(self, request: Request, num_new: int) -> int:
-        """num_new, or for a request that computes only its prompt (max_tokens 0: an
-        embedding, a scoring) what is left of max_prompt_only_tokens this step while some
-        request decodes (without one, the whole budget)."""
+        """num_new, or less while some other request decodes: a prompt longer than
+        long_prefill_tokens computes at most that many tokens a step (each chunk of a long
+        prompt is a step the streams beside it wait for); a request that computes only its
+        prompt (max_tokens 0: an embedding, a scoring) what is left of max_prompt_only_tokens
+        this step, or none until prompt_only_share has earned it."""
         if request.params.max_tokens:
+            cap = self.long_prefill_tokens
+            if cap is not None and request.num_prompt_tokens > cap and num_new > cap \
+                    and self._someone_decodes():
+                return cap
             return num_new
         if self._prompt_only_left is None:
-            self._decoding = any(r.params.max_tokens and r.num_computed_tokens
-                                 >= r.num_prompt_tokens for r in self.running)
             self._prompt_only_left = (
-                self.config.max_num_batched_tokens if not self._decoding
+                self.config.max_num_batched_tokens if not self._someone_decodes()
                 else 0 if self._prompt_only_credit < 0  # prompt_only_share: not yet earned
                 else self.config.max_prompt_only_tokens)
         num_new = min(num_new, self._prompt_only_left)
         self._prompt_only_left -= num_new
         return num_new
+
+    def _someone_decodes(self) -> bool:
+        """Whether a running request has its prompt computed and samples (this step's,
+        decided once)."""
+        if self._decoding is None:
+            self._decoding = any(r.params.max_tokens and r.num_computed_tokens
+                                 >= r.num_prompt_tokens for r in self.running)
+        return self._decoding
 
     def account(self, schedule: SchedulerOutput, seconds: float) -> None:
         """After a step that took `seconds` (engine/llm_engine.py): prompt_only_share's
@@ -266,7 +282,7 @@ class Scheduler:
             return
         if any(s.request.params.max_tokens == 0 for s in schedule.scheduled):
             self._prompt_only_credit = (self._prompt_only_credit - seconds
-                                        if self._decoding else 0.0)
+                                        if self._decoding else 0.0)  # None: not asked
         else:
             self._prompt_only_credit += seconds * share / (1.0 - share)
 

@@ -83,6 +83,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-only-share", type=float, default=q.prompt_only_share,
                    help="while a request decodes, the share of the engine's time embedding "
                    "and scoring requests may take (1: no time rule)")
+    p.add_argument("--long-prefill-tokens", type=int, default=q.long_prefill_tokens,
+                   help="while a request decodes, the most tokens a step computes of a prompt "
+                   "longer than this (the streams beside it wait for each chunk; default: 256 "
+                   "on the CPU, no cap on CUDA)")
     p.add_argument("--priority-step-tokens", type=int, default=q.priority_step_tokens,
                    help="for --priority-window-s after a request of priority p arrives, the "
                    "tokens of worse priority a step computes (default: 8 on the CPU, no cap "
@@ -217,7 +221,7 @@ def engine_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_prompt_only_tokens=args.max_prompt_only_tokens,
-        prompt_only_share=args.prompt_only_share,
+        prompt_only_share=args.prompt_only_share, long_prefill_tokens=args.long_prefill_tokens,
         priority_step_tokens=args.priority_step_tokens, priority_window_s=args.priority_window_s,
         attention_backend=args.attention_backend, sampler_backend=args.sampler_backend,
         load_format=args.load_format, quantization=args.quantization,
