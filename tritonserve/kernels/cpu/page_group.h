@@ -154,44 +154,41 @@ inline void group_values_gb(const float* p, const cache_t* v, int64_t vrow, int6
   }
 }
 
-// The group's G query heads in blocks of at most 4 (3 a block where that divides better)
-inline int block_heads(int rest) { return rest == 4 || rest >= 7 ? 4 : std::min(rest, 3); }
+// The group's G query heads in blocks of at most 4 (3 a block where that divides better):
+// f(std::integral_constant<int, gb>, g) for each block [g, g + gb)
+template <typename F>
+inline void for_head_blocks(int G, F&& f) {
+  for (int g = 0; g < G;) {
+    const int gb = G - g == 4 || G - g >= 7 ? 4 : std::min(G - g, 3);
+    switch (gb) {
+      case 4: f(std::integral_constant<int, 4>{}, g); break;
+      case 3: f(std::integral_constant<int, 3>{}, g); break;
+      case 2: f(std::integral_constant<int, 2>{}, g); break;
+      default: f(std::integral_constant<int, 1>{}, g);
+    }
+    g += gb;
+  }
+}
 
 // scores[g * stride + t] = q_g . k_t, g < G, t < n <= 32: every query head of a KV head's
 // group over one page (k: the head's first row, krow elements from a token's row to the next)
 template <int HD, typename cache_t>
 inline void group_scores(const float* q, int G, const cache_t* k, int64_t krow, int64_t n,
                          float* scores, int64_t stride) {
-  for (int g = 0; g < G;) {
-    const int gb = block_heads(G - g);
-    const float* qg = q + g * HD;
-    float* sg = scores + g * stride;
-    switch (gb) {
-      case 4: group_scores_gb<HD, cache_t, 4>(qg, k, krow, n, sg, stride); break;
-      case 3: group_scores_gb<HD, cache_t, 3>(qg, k, krow, n, sg, stride); break;
-      case 2: group_scores_gb<HD, cache_t, 2>(qg, k, krow, n, sg, stride); break;
-      default: group_scores_gb<HD, cache_t, 1>(qg, k, krow, n, sg, stride);
-    }
-    g += gb;
-  }
+  for_head_blocks(G, [&](auto gb, int g) {
+    group_scores_gb<HD, cache_t, decltype(gb)::value>(q + g * HD, k, krow, n,
+                                                     scores + g * stride, stride);
+  });
 }
 
 // acc[g * HD + d] += sum_t p[g * stride + t] * v_t[d], g < G, t < n <= 32
 template <int HD, typename cache_t>
 inline void group_values(const float* p, int G, const cache_t* v, int64_t vrow, int64_t n,
                          int64_t stride, float* acc) {
-  for (int g = 0; g < G;) {
-    const int gb = block_heads(G - g);
-    const float* pg = p + g * stride;
-    float* ag = acc + g * HD;
-    switch (gb) {
-      case 4: group_values_gb<HD, cache_t, 4>(pg, v, vrow, n, stride, ag); break;
-      case 3: group_values_gb<HD, cache_t, 3>(pg, v, vrow, n, stride, ag); break;
-      case 2: group_values_gb<HD, cache_t, 2>(pg, v, vrow, n, stride, ag); break;
-      default: group_values_gb<HD, cache_t, 1>(pg, v, vrow, n, stride, ag);
-    }
-    g += gb;
-  }
+  for_head_blocks(G, [&](auto gb, int g) {
+    group_values_gb<HD, cache_t, decltype(gb)::value>(p + g * stride, v, vrow, n, stride,
+                                                     acc + g * HD);
+  });
 }
 
 }  // namespace tritonserve_page_group
