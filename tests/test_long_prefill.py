@@ -1,7 +1,7 @@
 """long_prefill_tokens (--long-prefill-tokens): while another request decodes, a prompt longer
 than the cap computes at most that many tokens a step, so the streams beside it wait for short
-steps; alone it takes the whole budget. And `bench long-context --beside`, which measures the
-trade-off (docs/benchmarks.md, long context)."""
+steps; alone it takes the whole budget. And `bench long-context`: its TPOT rows by context, and
+`--beside`, which measures the trade-off (docs/benchmarks.md, long context)."""
 from __future__ import annotations
 
 import pytest
@@ -90,3 +90,13 @@ def test_the_beside_bench_reports_ttft_and_the_streams_gaps(tiny_model, capsys):
     assert line.startswith("2 streams, then a 120-token prompt: TTFT")
     steps = int(line.split(" over ")[1].split()[0])
     assert steps >= 120 // 32  # the prompt in chunks of at most 32 while the streams decode
+
+
+@pytest.mark.parametrize("sampling", [[], ["--default-sampling"]])
+def test_the_long_context_bench_prints_a_row_a_context(tiny_model, capsys, sampling):
+    from tritonserve.bench import long_context
+    assert long_context.main(["--model", tiny_model, "--contexts", "16,200", "--tokens", "4",
+                              *sampling]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.strip().splitlines()[-2:]]
+    assert [int(r[0]) for r in rows] == [16, 200]
+    assert all(float(r[1]) > 0 and r[2].endswith("x") for r in rows)

@@ -1,7 +1,8 @@
 """tritonserve bench long-context: one stream's time per output token (TPOT) by context length.
 
 For each --contexts length N: one request of N token ids (drawn at random from the vocabulary,
-fixed seed) decodes --tokens tokens greedily, alone in the engine; its decode steps' median is
+fixed seed) decodes --tokens tokens (greedy, or the default sampling with --default-sampling),
+alone in the engine; its decode steps' median is
 the TPOT at that context, its prefill time is printed beside. The target (issue "Long
 context"): TPOT at 8k <= 2x TPOT at 128. Engine-level (no HTTP): what the attention costs as the
 context grows, nothing else. Options are the engine's (`--model`, `--dtype`, ...: any
@@ -24,7 +25,8 @@ from tritonserve.engine.llm import LLM
 from tritonserve.engine.sampling_params import SamplingParams
 
 
-def run(llm: LLM, contexts: list[int], tokens: int, seed: int = 0) -> list[dict]:
+def run(llm: LLM, contexts: list[int], tokens: int, seed: int = 0,
+        temperature: float = 0.0) -> list[dict]:
     engine, rows = llm.engine, []
     vocab = engine.arch.vocab_size
     rng = random.Random(seed)
@@ -36,7 +38,7 @@ def run(llm: LLM, contexts: list[int], tokens: int, seed: int = 0) -> list[dict]
         engine.step()
     for n in contexts:
         ids = [rng.randrange(100, vocab) for _ in range(n)]
-        engine.add_request(ids, SamplingParams(max_tokens=tokens, temperature=0.0,
+        engine.add_request(ids, SamplingParams(max_tokens=tokens, temperature=temperature,
                                                ignore_eos=True))
         times = []
         while engine.has_unfinished_requests():
@@ -91,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default="128,1024,4096,8000")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--json", default=None)
+    p.add_argument("--default-sampling", action="store_true",
+                   help="SamplingParams' defaults (temperature 1) instead of greedy")
     p.add_argument("--beside", type=int, default=0, help="N streams decoding beside --prompt")
     p.add_argument("--prompt", type=int, default=8000)
     args, rest = p.parse_known_args(argv)
@@ -108,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(r, f, indent=2)
         return 0
-    rows = run(llm, [int(c) for c in args.contexts.split(",")], args.tokens)
+    temperature = SamplingParams().temperature if args.default_sampling else 0.0
+    rows = run(llm, [int(c) for c in args.contexts.split(",")], args.tokens,
+               temperature=temperature)
     base = rows[0]["tpot_ms"]
     print(f"{'context':>8} {'TPOT ms':>8} {'x first':>8} {'prefill s':>10}")
     for row in rows:
