@@ -28,6 +28,10 @@ SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       max_position_embeddings=8192, rope_theta=500000.0),
+    # issue 68's first-burst shape (Llama-3.2-1B's layers, heads and vocabulary)
+    "llama3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        max_position_embeddings=8192, rope_theta=500000.0),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
 }
