@@ -170,16 +170,9 @@ def test_prompt_only_requests_take_their_share_of_a_step(tiny_model):
     max_prompt_only_tokens of a step; alone, the whole budget."""
     from tritonserve.engine import LLMEngine
     from tritonserve.engine.llm import build_config
+    from tests.test_long_prefill import spy_schedule
     engine = LLMEngine(build_config(tiny_model, max_prompt_only_tokens=32))
-    chunks: list[tuple[str, int]] = []
-    schedule = engine.scheduler.schedule
-
-    def spied():
-        out = schedule()
-        chunks.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
-        return out
-
-    engine.scheduler.schedule = spied
+    chunks = spy_schedule(engine)
     ids = engine.tokenize("paged attention keeps keys and values in blocks " * 8)[:150]
     engine.add_request(ids, SamplingParams(max_tokens=0, pooling="last"), "alone")
     engine.step()  # nothing decodes: the whole prompt in one step

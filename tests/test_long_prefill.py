@@ -10,7 +10,8 @@ from tritonserve.engine import LLMEngine, SamplingParams
 from tritonserve.engine.llm import build_config
 
 
-def _spy(engine: LLMEngine) -> list[list[tuple[str, int]]]:
+def spy_schedule(engine: LLMEngine) -> list[list[tuple[str, int]]]:
+    """Each step's (request id, tokens scheduled), appended as the engine schedules."""
     chunks: list[list[tuple[str, int]]] = []
     schedule = engine.scheduler.schedule
 
@@ -32,7 +33,7 @@ def _prompt(engine: LLMEngine, n: int) -> list[int]:
 def _run(tiny_model, cap: int | None, beside: bool) -> tuple[list[int], list]:
     engine = LLMEngine(build_config(tiny_model, long_prefill_tokens=cap,
                                     max_num_batched_tokens=256))
-    chunks = _spy(engine)
+    chunks = spy_schedule(engine)
     if beside:
         engine.add_request(_prompt(engine, 5), SamplingParams(max_tokens=60, ignore_eos=True),
                            "stream")
