@@ -38,6 +38,17 @@ def _int8_cache(pool, block_size, kv_heads, head_dim, tables, seq_lens, seed):
     return reference.quantize_kv(k), reference.quantize_kv(v)
 
 
+def _decode_case(group, seq_lens, block_size, head_dim, dtype, seed, kv_heads=2):
+    """One decode query a sequence over an int8 cache of scattered pages: (q, k_cache,
+    v_cache, tables, lens)."""
+    pool = sum(-(-n // block_size) for n in seq_lens) + 5
+    tables = scattered_tables(seq_lens, block_size, pool, seed)
+    k_cache, v_cache = _int8_cache(pool, block_size, kv_heads, head_dim, tables, seq_lens, seed)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim).to(dtype)
+    return q, k_cache, v_cache, tables, lens
+
+
 @needs_op
 @pytest.mark.parametrize("group, seq_lens, block_size, head_dim, dtype", [
     (3, [5, 200, 64, 70], 16, 64, torch.float32),
@@ -52,12 +63,8 @@ def _int8_cache(pool, block_size, kv_heads, head_dim, tables, seq_lens, seed):
 ])
 def test_the_cpu_op_reads_an_int8_cache_as_the_reference(group, seq_lens, block_size, head_dim,
                                                          dtype):
-    kv_heads = 2
-    pool = sum(-(-n // block_size) for n in seq_lens) + 5
-    tables = scattered_tables(seq_lens, block_size, pool, 3)
-    k_cache, v_cache = _int8_cache(pool, block_size, kv_heads, head_dim, tables, seq_lens, 3)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    q = torch.randn(len(seq_lens), kv_heads * group, head_dim).to(dtype)
+    q, k_cache, v_cache, tables, lens = _decode_case(group, seq_lens, block_size, head_dim,
+                                                     dtype, 3)
     expected = reference.paged_decode_attention(q.float(), k_cache, v_cache, tables, lens, 0.125)
     close(op(q, k_cache, v_cache, tables, lens, 0.125), expected, dtype)
     # a window: the masked reference on the same cache
@@ -145,12 +152,8 @@ def test_bad_options_name_themselves(tiny_model):
 def test_the_triton_decode_kernel_reads_an_int8_cache_as_the_reference(
         group, seq_lens, block_size, head_dim, dtype, splits, window, device):
     from tritonserve.kernels import triton as kernels
-    kv_heads = 2
-    pool = sum(-(-n // block_size) for n in seq_lens) + 5
-    tables = scattered_tables(seq_lens, block_size, pool, 4)
-    k_cache, v_cache = _int8_cache(pool, block_size, kv_heads, head_dim, tables, seq_lens, 4)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    q = torch.randn(len(seq_lens), kv_heads * group, head_dim).to(dtype)
+    q, k_cache, v_cache, tables, lens = _decode_case(group, seq_lens, block_size, head_dim,
+                                                     dtype, 4)
     if window:
         cu = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
         expected = reference.paged_attention_masked(q.float(), k_cache, v_cache, tables, cu,
