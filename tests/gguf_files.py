@@ -175,3 +175,45 @@ def _tokenizer(writer, folder: Path) -> None:
     if template is None and (folder / "chat_template.jinja").exists():
         template = (folder / "chat_template.jinja").read_text()
     writer.add_chat_template(template)
+
+
+def write_gguf_lora(adapter: Path, base: Path, path: Path, outtype: str = "f32") -> Path:
+    """A PEFT adapter folder written as llama.cpp's convert_lora_to_gguf.py writes it:
+    general.type adapter, adapter.type lora, adapter.lora.alpha; each projection's
+    `<base tensor>.lora_a` (A [r, in]) and `.lora_b` (B [out, r], its rows permuted as the
+    base's q / k rows are for the llama-style converters), in F32, F16 or Q8_0 (outtype)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((base / "config.json").read_text())
+    lora_config = json.loads((adapter / "adapter_config.json").read_text())
+    arch, permuted, _ = CONVERTERS[config["architectures"][0]]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(lora_config["lora_alpha"]))
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()),
+                                     config["num_hidden_layers"])
+    for name, tensor in sorted(load_file(str(adapter / "adapter_model.safetensors")).items()):
+        base_name = name.replace("base_model.model.", "").rsplit(".lora_", 1)[0]
+        which = "a" if ".lora_A." in name else "b"
+        tensor = tensor.float()
+        if which == "b" and permuted and base_name.endswith(("q_proj", "k_proj")):
+            tensor = _permute(tensor, heads if base_name.endswith("q_proj") else kv_heads)
+        target = f"{names.get_name(base_name)}.weight.lora_{which}"
+        data = tensor.numpy()
+        if outtype == "f16":
+            writer.add_tensor(target, data.astype(np.float16))
+        elif outtype == "q8_0" and data.shape[-1] % 32 == 0:
+            blocks = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(target, blocks, raw_shape=blocks.shape,
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(target, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

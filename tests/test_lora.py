@@ -1,6 +1,7 @@
 """LoRA adapters (engine/lora.py): tiny adapters made with `peft` (random non-zero B) on the
 tiny model; greedy tokens equal to peft's merged model's for each, a mixed batch (base + two
-adapters) equal to each request alone, over the dense and the int4 base; prefix-cache blocks
+adapters) equal to each request alone, over the dense and the int4 base; the layers op's
+adapter rows within rounding of the op-by-op step's; prefix-cache blocks
 kept apart per adapter; and the refusals that name the problem."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from tritonserve.engine import LLM, InvalidRequestError, SamplingParams
 from tests.parity import assert_parity, hf_greedy
+from tests.test_decode_layers import _compare_with_eager, needs_fp32_op, needs_op, op_models  # noqa: F401
 from tests.test_engine_parity import mixed_prompts
 
 peft = pytest.importorskip("peft")
@@ -53,6 +55,8 @@ def test_each_adapter_equals_peft_merged_and_a_mixed_batch_equals_alone(
         tiny_model, adapters, quantization):
     llm = LLM(tiny_model, dtype="float32", lora_modules=_modules(adapters),
               quantization=quantization)
+    runner = llm.engine.runner
+    took = _count_adapter_steps(runner)
     prompts = mixed_prompts(llm.tokenizer, count=3, seed=6)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     eos = set(llm.engine.eos_token_ids)
@@ -70,6 +74,52 @@ def test_each_adapter_equals_peft_merged_and_a_mixed_batch_equals_alone(
     mixed = llm.generate([p for p in prompts for _ in range(3)], greedy, lora=names)
     for k, out in enumerate(mixed):
         assert out.token_ids == alone[names[k]][k // 3], (k, names[k])
+    if runner.plan.mode == "layers":  # adapters' decode steps kept the layers op
+        assert took and runner.decode_takes_lora
+
+
+def _count_adapter_steps(runner) -> list[int]:
+    """The rows of each decode step with an adapter row that ran the runner's decode step."""
+    took, step = [], runner.decode_step
+    if step is not None:
+        def counted(ids, positions, ctx):
+            if ctx.lora is not None:
+                took.append(ids.shape[0])
+            return step(ids, positions, ctx)
+        runner.decode_step = counted
+    return took
+
+
+@needs_fp32_op
+@pytest.mark.parametrize("dtype,quantization,tolerance", [
+    ("float32", "none", 1e-5), ("float32", "int4", 1e-5),
+    pytest.param("bfloat16", "int4", 2e-2, marks=needs_op),
+    pytest.param("bfloat16", "none", 2e-2, marks=needs_op)])
+def test_the_layers_op_adds_each_rows_adapter_as_the_op_by_op_step_does(
+        tiny_model, adapters, op_models, tmp_path, dtype, quantization, tolerance):
+    """Decode steps of 6 rows down to 1 (base, a0 rank 8, a1 rank 16 rsLoRA, interleaved) over
+    dense panels and quantized (int4) panels (bf16 dense: gate/up without silu in its matmul,
+    as an engine serving adapters packs it): the layers op with the rows' adapter slots
+    (kernels/cpu/lora_rows.h) gives the op-by-op step's hidden states within fp32 rounding
+    (bf16, on a model of head size 64, which its attention takes: within a few bf16
+    roundings, its products summed in another order before they round); without the slots
+    it would be off by more than the hidden states' size."""
+    model = tiny_model
+    if dtype == "bfloat16":
+        model = op_models["llama"]
+        adapters = [make_adapter(model, tmp_path, seed, rank, rslora)
+                    for seed, rank, rslora in ((1, 8, False), (2, 16, True))]
+    llm = LLM(model, dtype=dtype, decode_mode="eager", max_num_seqs=8,
+              lora_modules=_modules(adapters), quantization=quantization)
+    steps = _compare_with_eager(llm)
+    prompts = mixed_prompts(llm.tokenizer, count=6, seed=4)
+    lengths = [3, 5, 8, 10, 12, 14]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n,
+                                                 ignore_eos=True) for n in lengths],
+                        lora=[None, "a0", "a1", "a0", None, "a1"])
+    assert [len(o.token_ids) for o in outs] == lengths
+    assert {6, 1} <= {n for n, _, _ in steps}
+    assert max(gap for _, gap, _ in steps) < tolerance
 
 
 def test_prefix_cache_blocks_are_kept_apart_per_adapter(tiny_model, adapters):
@@ -236,3 +286,75 @@ def test_speculation_and_a_grammar_keep_working_under_an_adapter(tiny_model, ada
         "choice", '["alpha", "beta"]', "guided_choice"))
     text = plain.generate([prompt], choice, lora="a1")[0].text
     assert text in ("alpha", "beta")
+
+
+def test_a_gguf_lora_file_equals_its_peft_folder(tiny_model, adapters, tmp_path):
+    """Adapter a0 (rank 8, alpha 16; not rsLoRA, which llama.cpp's file cannot say) written as
+    llama.cpp's convert_lora_to_gguf.py writes it (q / k B rows permuted for the llama
+    converter): in F32 its parts are the PEFT folder's exactly and its greedy tokens the
+    folder's; F16 and Q8_0 files read within their rounding; a base model's GGUF given as an
+    adapter is refused naming why."""
+    from pathlib import Path
+    from tritonserve.engine.lora import load_adapter
+    from tests.gguf_files import write_gguf, write_gguf_lora
+    folder, _ = adapters[0]
+    f32 = write_gguf_lora(Path(folder), Path(tiny_model), tmp_path / "a0.gguf")
+    llm = LLM(tiny_model, dtype="float32", lora_modules=(f"peft={folder}", f"gguf={f32}"))
+    peft_parts, gguf_parts = (llm.engine.loras[n].parts for n in ("peft", "gguf"))
+    assert peft_parts.keys() == gguf_parts.keys() and len(peft_parts) == 4 * 2  # tiny: 2 layers
+    for key, parts in peft_parts.items():
+        for p, g in zip(parts, gguf_parts[key], strict=True):
+            assert torch.equal(p.a, g.a) and torch.equal(p.b, g.b) and p.offset == g.offset
+    prompts = mixed_prompts(llm.tokenizer, count=3, seed=6)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {name: [o.token_ids for o in llm.generate(prompts, greedy, lora=name)]
+              for name in ("peft", "gguf", None)}
+    assert tokens["gguf"] == tokens["peft"] != tokens[None]
+    arch = llm.engine.arch
+    for outtype, tol in (("f16", 1e-3), ("q8_0", 1e-2)):
+        loaded = load_adapter("x", write_gguf_lora(Path(folder), Path(tiny_model),
+                                                   tmp_path / f"a0-{outtype}.gguf", outtype), arch)
+        for key, parts in peft_parts.items():
+            for p, g in zip(parts, loaded.parts[key], strict=True):
+                for want, got in ((p.a, g.a), (p.b, g.b)):
+                    assert (want - got).abs().max() <= tol * want.abs().max(), (outtype, key)
+    base = write_gguf(Path(tiny_model), tmp_path / "base.gguf")
+    with pytest.raises(InvalidRequestError, match="not a LoRA adapter"):
+        load_adapter("base", base, arch)
+
+
+@needs_op
+def test_a_bf16_engine_on_gguf_blocks_adds_adapters_on_its_dense_twin(op_models, tmp_path):
+    """A bf16 engine on GGUF blocks runs steps past 8 rows on a dense twin (bf16 panels). An
+    engine that serves adapters packs every gate/up without silu in its matmul, so the twin
+    takes adapter rows too: prefill chunks and 16-row decode steps with an adapter run on it
+    (the layers op for decode), the adapter's streams end whole and differ from the base's."""
+    from pathlib import Path
+    from tests.gguf_files import write_gguf
+    model = op_models["llama"]
+    adapter, _ = make_adapter(model, tmp_path, 3, 8)
+    blocks = write_gguf(Path(model), tmp_path / "q8.gguf", quantized=True)
+    llm = LLM(str(blocks), dtype="bfloat16", quantization="gguf", lora_modules=(f"a={adapter}",))
+    runner = llm.engine.runner
+    assert runner.weights.dense is not None and runner.dense_takes_lora
+    assert not any(layer.mlp.silu_in_matmul for layer in runner.weights.dense.layers)
+    ran = []  # (rows, an adapter row in the step, the weights that ran: twin or blocks)
+
+    def spy(forward, which):
+        def spied(ids, positions, ctx):
+            ran.append((ids.shape[0], ctx.lora is not None, which))
+            return forward(ids, positions, ctx)
+        return spied
+    runner.model.forward = spy(runner.model.forward, "blocks")
+    runner.weights.dense.forward = spy(runner.weights.dense.forward, "twin")
+    if runner.decode_step is not None:  # the layers op on each
+        runner.decode_step = spy(runner.decode_step, "blocks")
+        runner.dense_decode_step = spy(runner.dense_decode_step, "twin")
+    prompts = mixed_prompts(llm.tokenizer, count=16, seed=5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    base = [o.token_ids for o in llm.generate(prompts, greedy)]
+    adapted = llm.generate(prompts, greedy, lora="a")
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in adapted)
+    assert [o.token_ids for o in adapted] != base
+    assert {w for rows, lora, w in ran if lora and rows > 8} == {"twin"}
+    assert {w for rows, lora, w in ran if lora and rows <= 8} <= {"blocks"}

@@ -209,10 +209,18 @@ class EngineConfig:
     # how an embedding pools the prompt (engine/pooling.py's POOLING_CHOICES); auto: as the
     # checkpoint's sentence-transformers modules say, else last-token
     pooling: str = "auto"
-    # LoRA adapters served beside the base (engine/lora.py): "name=PEFT folder" each, and the
-    # largest rank one may have
+    # LoRA adapters served beside the base (engine/lora.py): "name=path" each (a PEFT folder
+    # or a GGUF LoRA file), and the largest rank one may have
     lora_modules: tuple[str, ...] = ()
     max_lora_rank: int = 64
+    # adapters may also be loaded at run time (the server's --allow-runtime-lora)
+    enable_lora: bool = False
+
+    @property
+    def serves_lora(self) -> bool:
+        """Adapters may add to the projections: every gate/up keeps its gate and up columns
+        (no silu in a bf16 panel's matmul: DecoderForCausalLM.prepack_weights)."""
+        return self.enable_lora or bool(self.lora_modules)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

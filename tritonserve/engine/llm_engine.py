@@ -110,21 +110,24 @@ class LLMEngine:
         return disk
 
     def _load_loras(self, config: EngineConfig) -> dict[str, LoraAdapter]:
-        """--lora-modules name=folder ...: each checked against this base (engine/lora.py)."""
+        """--lora-modules name=path ... (a PEFT folder or a GGUF LoRA file): each checked
+        against this base (engine/lora.py)."""
         if not config.lora_modules:
             return {}
         model = getattr(self.runner, "model", None)
         if config.tensor_parallel_size > 1 or self.arch.variant.experts is not None or (
                 model is not None and any(getattr(layer.mlp, "silu_in_matmul", False)
                                           for layer in model.layers)):
-            raise ValueError("LoRA adapters are served on one rank, dense MLP layers and gate/"
-                             "up without silu fused into its matmul (not bf16 panels) for now")
+            raise ValueError("LoRA adapters are served on one rank and dense MLP layers for "
+                             "now (and gate/up without silu fused into its matmul, which "
+                             "EngineConfig.serves_lora keeps)")
         loras = {}
         for spec in config.lora_modules:
             name, _, folder = spec.partition("=")
             if not name or not folder:
-                raise ValueError(f"--lora-modules takes name=folder, got {spec!r}")
-            loras[name] = load_adapter(name, folder, self.arch, config.max_lora_rank)
+                raise ValueError(f"--lora-modules takes name=path, got {spec!r}")
+            loras[name] = load_adapter(name, folder, self.arch, config.max_lora_rank,
+                                       config.torch_dtype)
         return loras
 
     # ---- public API ----------------------------------------------------------------------

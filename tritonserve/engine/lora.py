@@ -1,6 +1,7 @@
 """LoRA adapters: a per-request addition to the projections, over any base weight form.
 
-An adapter is a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`) whose
+An adapter is a PEFT folder (`adapter_config.json` + `adapter_model.safetensors`), or a GGUF
+LoRA file as llama.cpp's convert_lora_to_gguf.py writes it (engine/lora_gguf.py), whose
 targets are the attention and MLP projections (q, k, v, o, gate, up, down). Its A [r, in] and
 B [out, r] pairs are kept by the fused projection they add to (q, k, v -> qkv at their
 offsets; gate, up -> gate_up), scaled by lora_alpha / r (rsLoRA: / sqrt(r)).
@@ -8,15 +9,16 @@ offsets; gate, up -> gate_up), scaled by lora_alpha / r (rsLoRA: / sqrt(r)).
 A step whose rows include an adapter's carries a LoraBatch in its ForwardContext: each
 projection's output gets, for every adapter present, x[rows] @ A.T @ B.T * scale added to
 its rows and columns (models/decoder.py). The base matmul is untouched, so adapters work over
-dense, GGUF-block and int4 weights alike. Such a step runs the model op by op (the layers op
-and the decode graphs take no adapter: engine/model_runner.py); a request's KV cache blocks
-are keyed by its adapter (Request.cache_salt), so an adapter never reads the base model's
-cached prefix nor another adapter's.
+dense, GGUF-block and int4 weights alike. A float32 decode step under the layers plan keeps
+the layers op, which takes each row's adapter slot and the adapters' packed tensors
+(LoraAdapter.packed, kernels/cpu/lora_rows.h); any other step with an adapter row runs the
+model op by op (the decode graphs take none: engine/model_runner.py). A request's KV cache
+blocks are keyed by its adapter (Request.cache_salt), so an adapter never reads the base
+model's cached prefix nor another adapter's.
 
 Not yet: the engine calling kernels/triton/lora.py's shrink / expand on CUDA (they are
-tested, not wired), a C++ path and adapters in the layers op, tensor parallelism,
-mixture-of-experts layers, llama.cpp's GGUF LoRA files. Loading at run time:
-server/routes_lora.py.
+tested, not wired), adapters in a bf16 layers op, tensor parallelism, mixture-of-experts
+layers. Loading at run time: server/routes_lora.py.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from .errors import InvalidRequestError
+from .lora_gguf import is_gguf, read_gguf_adapter
 from .models.arch import ModelArch
 
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
@@ -70,12 +73,49 @@ class LoraGroup:
         return cls(torch.cat([p.a for p in parts]).contiguous(), tuple(bs))
 
 
+GROUPS = ("qkv", "o", "gate_up", "down")  # the layers op's four matmuls a layer, in order
+INDEX_WIDTH = 3 + 5 * 3  # kernels/cpu/lora_rows.h's kIndexWidth (three parts at most)
+LANES = 16  # and its kLanes: A^T's ranks padded with zeros to a multiple
+
+
 @dataclass
 class LoraAdapter:
     name: str
     rank: int
+    dtype: torch.dtype = torch.float32  # the engine's: a bf16 engine's parts are bf16 values
     parts: dict[tuple[int, str], list[LoraPart]] = field(default_factory=dict)
     groups: dict[tuple[int, str], LoraGroup] = field(default_factory=dict)
+    _packed: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def packed(self, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(blob, index) as the layers op reads them (kernels/cpu/lora_rows.h): per
+        projection 4 l + GROUPS.index(group), the stacked A transposed (its ranks padded to
+        a multiple of 16), then each part's B transposed;
+        made once, in the adapter's dtype (bf16: half the bytes a decode step reads)."""
+        if self._packed is None:
+            chunks: list[torch.Tensor] = []
+            index = torch.zeros(4 * num_layers, INDEX_WIDTH, dtype=torch.int64)
+            size = 0
+
+            def put(t: torch.Tensor) -> int:
+                nonlocal size
+                chunks.append(t.reshape(-1))
+                size += t.numel()
+                return size - t.numel()
+
+            for (layer, group), stacked in sorted(self.groups.items()):
+                row = index[4 * layer + GROUPS.index(group)]
+                ranks = stacked.a.shape[0]
+                padded = -(-ranks // LANES) * LANES
+                at = torch.zeros(stacked.a.shape[1], padded)
+                at[:, :ranks] = stacked.a.T
+                row[0], row[1], row[2] = put(at), padded, len(stacked.bs)
+                for j, (b, start, end, offset) in enumerate(stacked.bs):
+                    row[3 + 5 * j:8 + 5 * j] = torch.tensor(
+                        [start, end, offset, b.shape[0], put(b.T.contiguous())])
+            blob = torch.cat(chunks) if chunks else torch.zeros(0)
+            self._packed = (blob.to(self.dtype).contiguous(), index)
+        return self._packed
 
     @property
     def cache_salt(self) -> bytes:
@@ -87,38 +127,31 @@ def _fail(name: str, problem: str) -> None:
     raise InvalidRequestError("lora_modules", f"adapter {name!r}: {problem}")
 
 
-def load_adapter(name: str, folder: str | Path, arch: ModelArch,
-                 max_rank: int = 64) -> LoraAdapter:
-    """A PEFT adapter for this base (InvalidRequestError naming the problem: missing files,
-    a rank above max_rank, targets or shapes the base does not have)."""
-    folder = Path(folder)
-    try:
-        config = json.loads((folder / "adapter_config.json").read_text())
-        tensors = load_file(str(folder / "adapter_model.safetensors"))
-    except (OSError, ValueError) as exc:
-        _fail(name, f"not a PEFT adapter folder ({exc})")
-    rank = int(config.get("r", 0))
+def load_adapter(name: str, path: str | Path, arch: ModelArch, max_rank: int = 64,
+                 dtype: torch.dtype = torch.float32) -> LoraAdapter:
+    """A PEFT adapter folder or a llama.cpp GGUF LoRA file (engine/lora_gguf.py) for this
+    base (InvalidRequestError naming the problem: missing files, a rank above max_rank,
+    targets or shapes the base does not have). dtype: the engine's; its A and scaled B are
+    rounded to it (kept in fp32 tensors for the torch path), so the layers op's packed copy
+    and the op-by-op path add the same values, as vLLM keeps adapters in the model's dtype."""
+    path = Path(path)
+    if path.is_file() and is_gguf(path):
+        rank, scale, pairs = read_gguf_adapter(name, path, arch)
+    else:
+        rank, scale, pairs = _read_peft(name, path, arch)
     if not 0 < rank <= max_rank:
         _fail(name, f"rank {rank} is not in [1, {max_rank}] (--max-lora-rank)")
-    if config.get("modules_to_save") or config.get("bias", "none") != "none":
-        _fail(name, "modules_to_save and trained biases are not supported")
-    alpha = float(config.get("lora_alpha", rank))
-    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
     targets = _targets(arch)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        match = _KEY.search(key)
-        if match is None or match.group(2) not in targets:
-            _fail(name, f"{key} targets what this server does not adapt (q, k, v, o, gate, "
-                  "up and down projections only)")
-        layer, module, which = int(match.group(1)), match.group(2), match.group(3)
-        if layer >= arch.num_layers:
-            _fail(name, f"{key}: the base has {arch.num_layers} layers")
-        pairs.setdefault((layer, module), {})[which] = tensor.float()
-    adapter = LoraAdapter(name, rank)
+    adapter = LoraAdapter(name, rank, dtype if dtype == torch.bfloat16 else torch.float32)
+    rounded = adapter.dtype
     in_sizes = {"qkv": arch.hidden_size, "o": arch.num_heads * arch.head_dim,
                 "gate_up": arch.hidden_size, "down": arch.intermediate_size}
     for (layer, module), pair in sorted(pairs.items()):
+        if module not in targets:
+            _fail(name, f"layer {layer} {module}: this server adapts the q, k, v, o, gate, "
+                  "up and down projections only")
+        if layer >= arch.num_layers:
+            _fail(name, f"layer {layer} {module}: the base has {arch.num_layers} layers")
         group, offset, rows = targets[module]
         a, b = pair.get("A"), pair.get("B")
         if a is None or b is None or a.shape != (rank, in_sizes[group]) \
@@ -127,9 +160,35 @@ def load_adapter(name: str, folder: str | Path, arch: ModelArch,
                   f", B {tuple(b.shape) if b is not None else None} do not fit this base "
                   f"(A [{rank}, {in_sizes[group]}], B [{rows}, {rank}]): another base model?")
         adapter.parts.setdefault((layer, group), []).append(
-            LoraPart(a.contiguous(), (b * scale).contiguous(), offset))
+            LoraPart(a.to(rounded).float().contiguous(),
+                     (b.float() * scale).to(rounded).float().contiguous(), offset))
     adapter.groups = {key: LoraGroup.of(parts) for key, parts in adapter.parts.items()}
     return adapter
+
+
+def _read_peft(name: str, folder: Path, arch: ModelArch
+               ) -> tuple[int, float, dict[tuple[int, str], dict[str, torch.Tensor]]]:
+    """(rank, scale, {(layer, module): {"A", "B"}}) of a PEFT folder: lora_alpha / r, or
+    lora_alpha / sqrt(r) for rsLoRA."""
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+    except (OSError, ValueError) as exc:
+        _fail(name, f"not a PEFT adapter folder ({exc})")
+    rank = int(config.get("r", 0))
+    if config.get("modules_to_save") or config.get("bias", "none") != "none":
+        _fail(name, "modules_to_save and trained biases are not supported")
+    alpha = float(config.get("lora_alpha", rank))
+    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else max(rank, 1))
+    targets = _targets(arch)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if match is None or match.group(2) not in targets:
+            _fail(name, f"{key} targets what this server does not adapt (q, k, v, o, gate, "
+                  "up and down projections only)")
+        pairs.setdefault((int(match.group(1)), match.group(2)), {})[match.group(3)] = tensor
+    return rank, scale, pairs
 
 
 @dataclass(frozen=True)
@@ -149,6 +208,19 @@ class LoraBatch:
             for b, start, end, offset in stacked.bs:
                 # a slice of rows adds in place into the view; index rows scatter back
                 out[rows, offset:offset + b.shape[0]] += (xa[:, start:end] @ b.T).to(out.dtype)
+
+
+    def layers_args(self, rows: int, num_layers: int) -> tuple:
+        """The layers op's LoRA arguments for a step of these rows: (each row's slot, -1 for
+        the base; the slots' blobs; their indexes)."""
+        slots = torch.full((rows,), -1, dtype=torch.int64)
+        blobs, indexes = [], []
+        for slot, (adapter, where) in enumerate(self.groups):
+            slots[where] = slot
+            blob, index = adapter.packed(num_layers)
+            blobs.append(blob)
+            indexes.append(index)
+        return slots, blobs, indexes
 
 
 def batch_of(adapters: list[LoraAdapter | None], rows_per: list[int]) -> LoraBatch | None:

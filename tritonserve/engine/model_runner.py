@@ -99,6 +99,9 @@ class ModelRunner:
         self.decode_step = None
         self.dense_decode_step = None  # decode_step on the dense panels (plan.dense_above)
         self.decode_max_batch = 0
+        # whether decode_step / dense_decode_step take LoRA rows: the layers op does where no
+        # gate/up applies silu in its matmul (kernels/cpu/lora_rows.h)
+        self.decode_takes_lora = self.dense_takes_lora = False
 
     @property
     def decode_mode(self) -> str:
@@ -175,8 +178,10 @@ class ModelRunner:
         if self.plan.mode == "layers":
             self.decode_step = self.model.decode_layers(self.block_size)
             self.decode_max_batch = config.scheduler.max_num_seqs
+            self.decode_takes_lora = _takes_lora(self.model)
             if self.weights.dense is not None:
                 self.dense_decode_step = self.weights.dense.decode_layers(self.block_size)
+                self.dense_takes_lora = _takes_lora(self.weights.dense)
         elif self.plan.mode != "eager":
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend,
                                        null_block=self.num_blocks, block_size=self.block_size,
@@ -262,9 +267,12 @@ class ModelRunner:
         the model op by op."""
         n = model_input.input_ids.shape[0]
         model = self.weights.model_for(n)
-        step = self.decode_step if model is self.model else self.dense_decode_step
+        if model_input.lora is not None and not _takes_lora(model):
+            model = self.model  # the dense twin's gate/up applies silu: no adapter there
+        step, takes_lora = (self.decode_step, self.decode_takes_lora) if model is self.model \
+            else (self.dense_decode_step, self.dense_takes_lora)
         if step is not None and model_input.meta.num_decode_tokens == n <= self.decode_max_batch \
-                and model_input.lora is None:  # the decode plans take no adapter
+                and (model_input.lora is None or takes_lora):
             return step(model_input.input_ids, model_input.positions, ctx)
         return model(model_input.input_ids, model_input.positions, ctx)
 
@@ -341,3 +349,10 @@ class ModelRunner:
         width = max((len(s.request.block_ids) for s in group), default=0)
         rows = [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in group]
         return self._tensor(rows, torch.int32).view(len(group), width)
+
+
+def _takes_lora(model) -> bool:
+    """LoRA rows can be added to every projection of this model (op by op and in the layers
+    op): none of its gate/up applies silu in the matmul (bf16 dense panels), whose output
+    then has no gate and up columns to add to."""
+    return not any(getattr(layer.mlp, "silu_in_matmul", False) for layer in model.layers)

@@ -154,7 +154,7 @@ def put_in_form(model: DecoderForCausalLM, form: str, twin_above: int, config: E
     if twin_above:  # copied before the quantized weights replace the projections, sharing
         table = model.embed_tokens  # the embedding table
         dense = copy.deepcopy(model, memo={id(table): table})
-        dense.prepack_weights("panels", batch_hint)
+        dense.prepack_weights("panels", batch_hint, fuse_silu=not config.serves_lora)
         dense.gather_streamed_weights()
     if form == "gguf":
         # auto: a tensor with no block form is served dense; asked by name, refused
@@ -170,7 +170,7 @@ def put_in_form(model: DecoderForCausalLM, form: str, twin_above: int, config: E
         model.quantize_weights(*QUANTIZED_AT_LOAD[form])
     if form not in DENSE_FORMS:  # the projections left dense
         form = "panels" if has_form("panels", config.torch_dtype) else "plain"
-    model.prepack_weights(form, batch_hint=batch_hint)
+    model.prepack_weights(form, batch_hint=batch_hint, fuse_silu=not config.serves_lora)
     if model.embed_tokens.weight.device.type == "cpu":
         model.gather_streamed_weights()
     return Weights(model, dense, twin_above)

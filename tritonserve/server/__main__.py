@@ -168,8 +168,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="responses kept in memory for GET /v1/responses/{id} and "
                    "previous_response_id (the least recently used dropped first)")
     p.add_argument("--lora-modules", nargs="+", default=e.lora_modules,
-                   metavar="NAME=FOLDER", help="LoRA adapters (PEFT folders) served beside the "
-                   "base; a request names one by `model`")
+                   metavar="NAME=PATH", help="LoRA adapters (PEFT folders or llama.cpp GGUF "
+                   "LoRA files) served beside the base; a request names one by `model`")
     p.add_argument("--allow-runtime-lora", action="store_true", default=v.allow_runtime_lora,
                    help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter load and "
                    "unload adapters at run time (the body names a folder this server reads)")
@@ -232,6 +232,7 @@ def engine_config(args: argparse.Namespace):
         ngram_max=args.ngram_max, speculative_max_batch=args.speculative_max_batch,
         speculative_min_acceptance=args.speculative_min_acceptance, pooling=args.pooling,
         lora_modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank,
+        enable_lora=args.allow_runtime_lora,
         **{f.name: getattr(args, f.name) for f in fields(RequestLimits)}))
 
 

@@ -90,7 +90,8 @@ class AsyncEngine(EngineDoor):
             raise InvalidRequestError("lora_name", f"{name!r} is already served")
         engine = self.engine
         adapter = await asyncio.to_thread(load_adapter, name, folder, engine.arch,
-                                          engine.config.max_lora_rank)
+                                          engine.config.max_lora_rank,
+                                          engine.config.torch_dtype)
         engine.loras[name] = adapter
         self.card = dataclasses.replace(self.card, loras=(*self.card.loras, name))
 

@@ -203,16 +203,18 @@ class DecoderForCausalLM(nn.Module):
     def rope(self) -> RotaryEmbedding:
         return self.ropes[0]
 
-    def prepack_weights(self, form: str, batch_hint: int) -> None:
+    def prepack_weights(self, form: str, batch_hint: int, fuse_silu: bool = True) -> None:
         """Every projection weight in `form` (the decode plan's weights: panels, onednn or
-        plain; engine/models/linear.py) in place of the plain one; with panels, bf16 gate/up
-        with the activation in the matmul (Linear.fuse_silu). A tied lm_head gets a packed
+        plain; engine/models/linear.py) in place of the plain one; with panels and fuse_silu,
+        bf16 gate/up with the activation in the matmul (Linear.fuse_silu; not where adapters
+        add to gate and up: EngineConfig.serves_lora). A tied lm_head gets a packed
         copy of the embedding table, which stays plain for the lookup."""
         if form == "plain":
             return
         for module in self.modules():  # an MLP comes before its Linears
-            if isinstance(module, MLP) and form == "panels":  # silu only (MLP.fuse_silu)
-                module.fuse_silu()
+            if isinstance(module, MLP):
+                if form == "panels" and fuse_silu:  # silu only (MLP.fuse_silu)
+                    module.fuse_silu()
             elif isinstance(module, SparseMoE):
                 module.pack(form, batch_hint)
             elif isinstance(module, Linear):
@@ -317,8 +319,8 @@ class DecoderForCausalLM(nn.Module):
         (kernels/cpu/decode_layers.cpp) with its weights, as a function of (input_ids,
         positions, ctx) -> hidden [T, hidden]. For a plan whose mode is layers (engine/plan.py
         checked that the op takes the model): every projection in panels or quantized panels,
-        a bf16 dense gate/up with its activation in the matmul; a model in another state is
-        refused."""
+        a bf16 dense gate/up with its activation in the matmul or (an engine serving
+        adapters) every gate/up without; a model in another state is refused."""
         arch = self.arch
         dtype = self.embed_tokens.weight.dtype
         op = cpu.decode_layers(dtype, arch.head_dim, arch.num_heads // arch.num_kv_heads,
@@ -326,13 +328,16 @@ class DecoderForCausalLM(nn.Module):
         linears = [m for layer in self.layers for m in (
             layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
             layer.mlp.down_proj)]
-        if (op is None or arch.variant.layers_op_refusal()
-                or any(layer.mlp.silu_in_matmul != (dtype == torch.bfloat16 and weight_form(
-                    layer.mlp.gate_up_proj.weight) == "panels") for layer in self.layers)
+        fused = {layer.mlp.silu_in_matmul for layer in self.layers}
+        if (op is None or arch.variant.layers_op_refusal() or len(fused) != 1
+                or any(layer.mlp.silu_in_matmul and (dtype != torch.bfloat16 or weight_form(
+                    layer.mlp.gate_up_proj.weight) != "panels") for layer in self.layers)
                 or any(weight_form(lin.weight) not in ("panels", "quant") for lin in linears)):
             raise ValueError("decode_layers: the model is not in the layers plan's state "
-                             "(C++ panels or quantized panels, bf16 dense gate/up with its "
-                             "activation, Llama's layer: DecoderVariant.layers_op_refusal)")
+                             "(C++ panels or quantized panels, silu in every bf16 dense "
+                             "gate/up's matmul or in none, Llama's layer: "
+                             "DecoderVariant.layers_op_refusal)")
+        gate_up_silu = fused.pop()
         norms = [n.weight for layer in self.layers
                  for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         panels = [lin.weight for lin in linears]
@@ -349,10 +354,13 @@ class DecoderForCausalLM(nn.Module):
         def forward(input_ids: torch.Tensor, positions: torch.Tensor,
                     ctx: ForwardContext) -> torch.Tensor:
             meta = ctx.meta
+            lora = () if ctx.lora is None else ctx.lora.layers_args(input_ids.shape[0],
+                                                                    arch.num_layers)
             return op(table, norms, panels, biases, cos, sin, meta.slot_mapping,
                       [k for k, _ in ctx.kv_caches], [v for _, v in ctx.kv_caches],
                       meta.decode_block_tables, meta.decode_seq_lens, arch.num_heads,
-                      arch.rms_norm_eps, head_scale, input_ids, positions, final_norm)[0]
+                      arch.rms_norm_eps, head_scale, input_ids, positions, final_norm,
+                      *lora, gate_up_silu=gate_up_silu)[0]
 
         return forward
 

@@ -115,12 +115,14 @@ OPS: tuple[tuple[str, object, str], ...] = (
      "(moe.cpp)"),
     ("decode_layers",
      lambda x, norms, panels, biases, cos, sin, slot_mapping, k_caches, v_caches, block_tables,
-     seq_lens, num_heads, eps, scale, input_ids=None, positions=None, final_norm=None: (
+     seq_lens, num_heads, eps, scale, input_ids=None, positions=None, final_norm=None,
+     lora_slots=None, lora_blobs=None, lora_index=None, gate_up_silu=True: (
          (x.new_empty(x.shape), x.new_empty(x.shape)) if input_ids is None else
          (x.new_empty(input_ids.shape[0], x.shape[1]),
           x.new_empty(input_ids.shape[0], x.shape[1]))),
-     "a decode step's whole decoder stack in one parallel region (decode_layers.cpp); ask "
-     "through decode_layers(dtype, ...), which checks this build runs the shapes"),
+     "a decode step's whole decoder stack in one parallel region (decode_layers.cpp), LoRA "
+     "rows in fp32 (lora_rows.h); ask through decode_layers(dtype, ...), which checks this "
+     "build runs the shapes"),
     ("sample_softmax",
      lambda logits, *args: logits.new_empty(logits.shape[0], dtype=torch.int64),
      "(logits [B, V] fp32, temperature [B] fp32, seeds [B] int64) -> tokens [B] int64: "

@@ -14,6 +14,11 @@
 //     whose rows positions [M] the step uses, and the result is (the final norm's output,
 //     the residual after it): the step's embedding, rope lookup and last add + norm without
 //     three more dispatched ops, ~45 us each in a SmolLM2 batch-1 step (cold caches there).
+//   gate_up_silu (bf16 dense panels): gate/up packed with silu(gate) * up in its epilogue
+//     (pack_gate_up_bf16), else plain panels of 2I outputs, silu_and_mul after (an engine
+//     that serves adapters keeps gate and up apart for them).
+//   With lora_slots [M]: each row's LoRA adapter (-1: none), whose packed lora_blobs /
+//     lora_index (lora_rows.h) add x A^T B^T to each projection it adapts.
 // Per layer, the op-by-op step's work with its roundings: residual += x and the input norm;
 // qkv (+ bias); for each (sequence, KV heads) item, q and k rotated, k and v written at the
 // sequence's slot, then its decode attention (bf16: paged_decode_bf16.h's streaming
@@ -80,6 +85,10 @@ struct Team {
   std::vector<float> sums;  // a quantized matmul's input group sums
   // a quantized panel widened (panels_quant_bf16.h)
   std::vector<tritonserve_panels_quant::Wide> wide;
+  // LoRA, for the current matmul: the adapter rows' input in fp32 and their x A^T, in
+  // Stack::lora_order's order
+  std::vector<float> xf, xa;
+  std::vector<int64_t> taken;  // the panels this thread computed of the current matmul
 
   Team(Stack<T>& stack, bool timing)
       : st(stack), t(omp_get_thread_num()), team(omp_get_num_threads()), clock(t, timing),
@@ -175,11 +184,64 @@ struct Team {
   void matmul(int64_t i, const T* in, T* y, int64_t ldy) {
     const int64_t threads = st.threads;
     if (st.mm[i].quant) group_sums(st.mm[i], in);
+    const bool lora = st.lora_slot != nullptr;
+    if (lora) lora_shrink(i, in), taken.clear();
     Owned* own = &st.owned[i * threads];
     int64_t p;
-    while (take(own[t], true, p)) product(st.mm[i], in, y, ldy, p);
+    while (take(own[t], true, p)) {
+      product(i, in, y, ldy, p);
+      if (lora) taken.push_back(p);
+    }
     for (int64_t other = 1; other < threads; ++other)
-      while (take(own[(t + other) % threads], false, p)) product(st.mm[i], in, y, ldy, p);
+      while (take(own[(t + other) % threads], false, p)) {
+        product(i, in, y, ldy, p);
+        if (lora) taken.push_back(p);
+      }
+    if (lora) lora_expand(i, y, ldy);
+  }
+
+  // every adapter row's x A^T for matmul i, on every thread (its own copy: no meeting; a
+  // rank-16 adapter's A for q, k and v is 55 KB in bf16): the rows gathered slot by slot
+  // in fp32, then each slot's A read once for its rows
+  void lora_shrink(int64_t i, const T* in) {
+    const int64_t K = st.mm[i].K, per = 4 * st.L, rows = st.lora_order.size();
+    const int64_t stride = st.lora_rank;
+    xf.resize(rows * K);
+    xa.resize(rows * stride);
+    for (int64_t j = 0; j < rows; ++j) {
+      const T* x = in + st.lora_order[j] * K;
+      float* f = xf.data() + j * K;
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) f[k] = tritonserve_vec::load_f(x + k);
+    }
+    for (size_t s = 0; s + 1 < st.lora_begin.size(); ++s) {
+      const int64_t b0 = st.lora_begin[s], b1 = st.lora_begin[s + 1];
+      const auto& p = st.lora[s * per + i];
+      if (b1 > b0 && p.rank > 0)
+        tritonserve_lora::shrink(p, xf.data() + b0 * K, K, b1 - b0, xa.data() + b0 * stride,
+                                 stride);
+    }
+  }
+
+  // the adapter rows' (x A^T) B^T added to the output columns of the panels this thread
+  // computed of matmul i, a run of consecutive panels at a time, each adapter's rows at once
+  void lora_expand(int64_t i, T* y, int64_t ldy) {
+    const Matmul& m = st.mm[i];
+    const int64_t width = m.quant ? tritonserve_panels_quant::kCols : cols;
+    const int64_t per = 4 * st.L, stride = st.lora_rank;
+    std::sort(taken.begin(), taken.end());
+    for (size_t a = 0; a < taken.size();) {
+      size_t b = a + 1;
+      while (b < taken.size() && taken[b] == taken[b - 1] + 1) ++b;
+      const int64_t c0 = taken[a] * width, c1 = std::min(m.N, (taken[b - 1] + 1) * width);
+      for (size_t s = 0; s + 1 < st.lora_begin.size(); ++s) {
+        const int64_t b0 = st.lora_begin[s], b1 = st.lora_begin[s + 1];
+        if (b1 > b0)
+          tritonserve_lora::expand(st.lora[s * per + i], xa.data() + b0 * stride, stride,
+                                   st.lora_order.data() + b0, b1 - b0, c0, c1, y, ldy);
+      }
+      a = b;
+    }
   }
 
   // a quantized matmul's input group sums (panels_quant.h), this thread's copy
@@ -192,7 +254,8 @@ struct Team {
       tritonserve_panels_quant::group_sums(in, m.K, st.M, m.K, sums.data());
   }
 
-  void product(const Matmul& m, const T* in, T* y, int64_t ldy, int64_t p) {
+  void product(int64_t i, const T* in, T* y, int64_t ldy, int64_t p) {
+    const Matmul& m = st.mm[i];
     const int64_t M = st.M;
     if (m.quant) {
       namespace pq = tritonserve_panels_quant;
@@ -209,7 +272,7 @@ struct Team {
         pq::panel_product(m.kind, in, M, m.K, sums.data(), w, y + col, ldy, ncols);
         if (bias != nullptr)
           for (int64_t r = 0; r < M; ++r)
-            for (int64_t i = 0; i < ncols; ++i) y[r * ldy + col + i] += bias[i];
+            for (int64_t c = 0; c < ncols; ++c) y[r * ldy + col + c] += bias[c];
       }
       return;
     }
@@ -229,7 +292,7 @@ struct Team {
                                              y + col, ldy, ncols);
       if (m.bias != nullptr)
         for (int64_t r = 0; r < M; ++r)
-          for (int64_t i = 0; i < ncols; ++i) y[r * ldy + col + i] += m.bias[col + i];
+          for (int64_t c = 0; c < ncols; ++c) y[r * ldy + col + c] += m.bias[col + c];
     }
   }
 
@@ -341,7 +404,11 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
     std::vector<torch::Tensor> k_caches, std::vector<torch::Tensor> v_caches,
     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t num_heads,
     double eps, double scale, const c10::optional<torch::Tensor>& input_ids,
-    const c10::optional<torch::Tensor>& positions, const c10::optional<torch::Tensor>& final_norm) {
+    const c10::optional<torch::Tensor>& positions, const c10::optional<torch::Tensor>& final_norm,
+    const c10::optional<torch::Tensor>& lora_slots,
+    const c10::optional<std::vector<torch::Tensor>>& lora_blobs,
+    const c10::optional<std::vector<torch::Tensor>>& lora_index, bool gate_up_silu) {
+  static const std::vector<torch::Tensor> none;
   const size_t L = k_caches.size();
   TORCH_CHECK(L >= 1 && v_caches.size() == L && norms.size() == 2 * L &&
                   panels.size() == 4 * L && (biases.empty() || biases.size() == L),
@@ -351,7 +418,9 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(
               "[blocks, block_size, kv_heads, D]");
   const Args args{x,         norms,    panels,     biases,    cos,   sin,
                   slot_mapping, k_caches, v_caches, block_tables, seq_lens, num_heads,
-                  eps,       scale,    input_ids,  positions, final_norm};
+                  eps,       scale,    input_ids,  positions, final_norm, lora_slots,
+                  lora_blobs ? *lora_blobs : none, lora_index ? *lora_index : none,
+                  gate_up_silu};
   if (x.scalar_type() == torch::kFloat32) return run_stack<float>(args);
 #ifdef TS_AVX512_BF16
   if (x.scalar_type() == torch::kBFloat16) return run_stack<bf16>(args);
@@ -371,7 +440,8 @@ TORCH_LIBRARY_FRAGMENT(tritonserve, m) {
         "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor block_tables, Tensor seq_lens, int num_heads, "
         "float eps, float scale, Tensor? input_ids=None, Tensor? positions=None, "
-        "Tensor? final_norm=None) -> (Tensor, Tensor)");
+        "Tensor? final_norm=None, Tensor? lora_slots=None, Tensor[]? lora_blobs=None, "
+        "Tensor[]? lora_index=None, bool gate_up_silu=True) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tritonserve, CPU, m) {

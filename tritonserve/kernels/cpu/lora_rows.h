@@ -1,0 +1,227 @@
+// LoRA adapters inside the decode_layers op (fp32 and bf16 steps): each row of the step
+// names an adapter slot (-1: the base model), and each of a layer's four matmuls (qkv, o,
+// gate/up, down) adds, to a row with an adapter, x A^T B^T over that adapter's parts of the
+// projection (engine/lora.py packs them: LoraAdapter.packed).
+//
+// The contract with the packer, one adapter's two tensors:
+// - blob: 1-D, fp32 (an fp32 engine's) or bf16 (a bf16 engine's: half the bytes a step
+//   reads). Per projection, its stacked A transposed, [K, rank] (q, k and v stacked: one pass
+//   over x for the three; rank padded with zeros to a multiple of 16), then each part's B
+//   transposed, [part rank, n], the adapter's scale folded in.
+// - index: int64 [4L, kIndexWidth], a row per projection (4 l + 0..3): the A's offset in the
+//   blob (elements), its rank (0: the adapter leaves the projection alone), the number of
+//   parts, then a part each: (rank start, rank end, first output column, columns, its BT's
+//   offset).
+// Why inside the op: steps with an adapter row ran the model op by op, at 0.31x of the
+// layers op's tokens/s at 1 stream (docs/benchmarks.md, "LoRA adapters").
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include "vec_math.h"
+
+namespace tritonserve_lora {
+
+using tritonserve_vec::v16;
+
+constexpr int kMaxParts = 3;  // q, k, v of the fused qkv
+constexpr int kIndexWidth = 3 + 5 * kMaxParts;
+constexpr int64_t kLanes = 16;  // a v16 of fp32; A's ranks are padded to a multiple
+
+struct Part {
+  int64_t rs, re, col, n;  // ranks [rs, re) of the projection's A, output columns [col, col+n)
+  const void* bt;          // [re - rs, n] in the blob's dtype
+};
+
+struct Proj {
+  const void* at = nullptr;  // A transposed, [K, rank] in the blob's dtype
+  bool bf16 = false;         // the blob holds bf16 (a bf16 engine's adapters), else fp32
+  int64_t rank = 0;          // padded to a multiple of kLanes (the pad's columns are zeros)
+  int nparts = 0;
+  Part parts[kMaxParts];
+};
+
+// 16 weights widened to fp32 (bf16: the bits shifted up; by intrinsics, where GCC's
+// __builtin_convertvector went through ymm halves with inserts and extracts)
+template <typename W>
+inline v16 load16(const W* p) {
+  v16 v;
+  if constexpr (std::is_same_v<W, float>) {
+    std::memcpy(&v, p, sizeof v);
+  } else {
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    std::memcpy(&v, &f, sizeof v);
+#elif defined(__AVX2__)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256 lo = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
+    const __m256 hi = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
+    std::memcpy(&v, &lo, sizeof lo);
+    std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+#else
+    for (int i = 0; i < 16; ++i) v[i] = tritonserve_vec::load_f(p + i);
+#endif
+  }
+  return v;
+}
+
+// Both products below are register blocks: RB rows x NV vectors of accumulators, each
+// weight vector loaded once for the RB rows, each row's scalar broadcast once for the NV
+// vectors (no horizontal sums). Dot products a rank (the first form) ran at 11 GMAC/s here
+// against 60+ for a block (Xeon, AVX-512).
+
+// xa[r, k0 + 16 v + i] = sum_j x[r, j] AT[j, k0 + 16 v + i] for RB rows
+template <typename W, int RB, int NV>
+inline void shrink_block(const W* at, int64_t rank, int64_t k0, const float* x, int64_t K,
+                         float* xa, int64_t stride) {
+  v16 acc[RB][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = v16{};
+  for (int64_t j = 0; j < K; ++j) {
+    v16 a[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) a[v] = load16(at + j * rank + k0 + kLanes * v);
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      const float xj = x[r * K + j];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] += xj * a[v];
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      std::memcpy(xa + r * stride + k0 + kLanes * v, &acc[r][v], sizeof(v16));
+}
+
+template <typename W, int RB>
+inline void shrink_rows(const W* at, int64_t rank, const float* x, int64_t K, float* xa,
+                        int64_t stride) {
+  int64_t k0 = 0;
+  for (; k0 + 4 * kLanes <= rank; k0 += 4 * kLanes)
+    shrink_block<W, RB, 4>(at, rank, k0, x, K, xa, stride);
+  for (; k0 < rank; k0 += kLanes) shrink_block<W, RB, 1>(at, rank, k0, x, K, xa, stride);
+}
+
+// xa's rows [r * stride, + rank) for `rows` fp32 rows of x (K wide, contiguous)
+template <typename W>
+inline void shrink_all(const W* at, int64_t rank, const float* x, int64_t K, int64_t rows,
+                       float* xa, int64_t stride) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) shrink_rows<W, 4>(at, rank, x + r * K, K, xa + r * stride, stride);
+  for (; r + 2 <= rows; r += 2) shrink_rows<W, 2>(at, rank, x + r * K, K, xa + r * stride, stride);
+  for (; r < rows; ++r) shrink_rows<W, 1>(at, rank, x + r * K, K, xa + r * stride, stride);
+}
+
+inline void shrink(const Proj& p, const float* x, int64_t K, int64_t rows, float* xa,
+                   int64_t stride) {
+  if (p.bf16)
+    shrink_all(static_cast<const c10::BFloat16*>(p.at), p.rank, x, K, rows, xa, stride);
+  else
+    shrink_all(static_cast<const float*>(p.at), p.rank, x, K, rows, xa, stride);
+}
+
+// y_r[c0 + 16 v + i] += sum_k xa_r[k] BT[k, c0 - col + 16 v + i] for RB rows (y_r: row
+// rows[r] of y): the product summed in fp32, rounded to T, then added once (as torch's
+// out += (xa @ B^T).to(out.dtype) rounds)
+template <typename W, typename T, int RB, int NV>
+inline void expand_block(const Part& part, const float* xa, int64_t stride,
+                         const int64_t* rows, int64_t c0, T* y, int64_t ldy) {
+  v16 acc[RB][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = v16{};
+  const W* b = static_cast<const W*>(part.bt) + (c0 - part.col);
+  for (int64_t k = part.rs; k < part.re; ++k, b += part.n) {
+    v16 bk[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bk[v] = load16(b + kLanes * v);
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      const float xk = xa[r * stride + k];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] += xk * bk[v];
+    }
+  }
+  // acc read at constant indices only (the loops unrolled): else GCC keeps it on the stack
+  // and stores every accumulator each k (3x slower here)
+  float sum[RB][NV * kLanes];
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) std::memcpy(&sum[r][kLanes * v], &acc[r][v], sizeof(v16));
+  for (int r = 0; r < RB; ++r) {
+    T* yr = y + rows[r] * ldy + c0;
+#pragma omp simd
+    for (int64_t c = 0; c < NV * kLanes; ++c)
+      tritonserve_vec::store_f(yr + c, tritonserve_vec::load_f(yr + c) +
+                                           tritonserve_vec::round_to<T>(sum[r][c]));
+  }
+}
+
+// the columns [c0, c1) of y that a part covers, for RB rows: blocks of 64, 32 and 16
+// columns, then the last few one at a time (a thread's run of panels at once: a panel at a
+// time, 32 columns, took 1.5x as long)
+template <typename W, typename T, int RB>
+inline void expand_cols(const Part& part, const float* xa, int64_t stride, const int64_t* rows,
+                        int64_t c0, int64_t c1, T* y, int64_t ldy) {
+  int64_t c = std::max(c0, part.col);
+  const int64_t hi = std::min(c1, part.col + part.n);
+  for (; c + 4 * kLanes <= hi; c += 4 * kLanes)
+    expand_block<W, T, RB, 4>(part, xa, stride, rows, c, y, ldy);
+  if (c + 2 * kLanes <= hi) {
+    expand_block<W, T, RB, 2>(part, xa, stride, rows, c, y, ldy);
+    c += 2 * kLanes;
+  }
+  for (; c + kLanes <= hi; c += kLanes) expand_block<W, T, RB, 1>(part, xa, stride, rows, c, y, ldy);
+  for (; c < hi; ++c)
+    for (int r = 0; r < RB; ++r) {
+      const W* b = static_cast<const W*>(part.bt) + (c - part.col);
+      float s = 0.0f;
+      for (int64_t k = part.rs; k < part.re; ++k)
+        s += xa[r * stride + k] * tritonserve_vec::load_f(b + (k - part.rs) * part.n);
+      T* yc = y + rows[r] * ldy + c;
+      tritonserve_vec::store_f(yc, tritonserve_vec::load_f(yc) + tritonserve_vec::round_to<T>(s));
+    }
+}
+
+template <typename W, typename T>
+inline void expand_rows(const Part& part, const float* xa, int64_t stride, const int64_t* rows,
+                        int64_t count, int64_t c0, int64_t c1, T* y, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + 4 <= count; r += 4)
+    expand_cols<W, T, 4>(part, xa + r * stride, stride, rows + r, c0, c1, y, ldy);
+  for (; r + 2 <= count; r += 2)
+    expand_cols<W, T, 2>(part, xa + r * stride, stride, rows + r, c0, c1, y, ldy);
+  for (; r < count; ++r) expand_cols<W, T, 1>(part, xa + r * stride, stride, rows + r, c0, c1, y, ldy);
+}
+
+// one adapter's `count` rows (their xa `stride` apart, rows[i] their rows of y): every part's
+// columns in [c0, c1)
+template <typename T>
+inline void expand(const Proj& p, const float* xa, int64_t stride, const int64_t* rows,
+                   int64_t count, int64_t c0, int64_t c1, T* y, int64_t ldy) {
+  for (int i = 0; i < p.nparts; ++i) {
+    const Part& part = p.parts[i];
+    if (std::max(c0, part.col) >= std::min(c1, part.col + part.n)) continue;
+    if (p.bf16)
+      expand_rows<c10::BFloat16>(part, xa, stride, rows, count, c0, c1, y, ldy);
+    else
+      expand_rows<float>(part, xa, stride, rows, count, c0, c1, y, ldy);
+  }
+}
+
+}  // namespace tritonserve_lora
