@@ -85,9 +85,9 @@ struct Team {
   std::vector<float> sums;  // a quantized matmul's input group sums
   // a quantized panel widened (panels_quant_bf16.h)
   std::vector<tritonserve_panels_quant::Wide> wide;
-  // LoRA, for the current matmul: the adapter rows' input in fp32 and their x A^T, in
-  // Stack::lora_order's order
-  std::vector<float> xf, xa;
+  // LoRA, for the current matmul: the adapter rows' input in fp32, in Stack::lora_order's
+  // order
+  std::vector<float> xf;
   std::vector<int64_t> taken;  // the panels this thread computed of the current matmul
 
   Team(Stack<T>& stack, bool timing)
@@ -184,7 +184,7 @@ struct Team {
   void matmul(int64_t i, const T* in, T* y, int64_t ldy) {
     const int64_t threads = st.threads;
     if (st.mm[i].quant) group_sums(st.mm[i], in);
-    const bool lora = st.lora_slot != nullptr;
+    const bool lora = st.lora_slot != nullptr && st.lora_any[i];
     if (lora) lora_shrink(i, in), taken.clear();
     Owned* own = &st.owned[i * threads];
     int64_t p;
@@ -200,27 +200,31 @@ struct Team {
     if (lora) lora_expand(i, y, ldy);
   }
 
-  // every adapter row's x A^T for matmul i, on every thread (its own copy: no meeting; a
-  // rank-16 adapter's A for q, k and v is 55 KB in bf16): the rows gathered slot by slot
-  // in fp32, then each slot's A read once for its rows
+  // every adapter row's x A^T for matmul i into Stack::lora_xa: the (adapter, 16 ranks)
+  // chunks shared out in turn, each thread's rows gathered in fp32 first; then the team meets
+  // (each thread computing every rank read each A twice: 3.7 ms a step of 16 rows over 4
+  // rank-16 adapters on both threads, against ~2 for the two halves and a barrier)
   void lora_shrink(int64_t i, const T* in) {
     const int64_t K = st.mm[i].K, per = 4 * st.L, rows = st.lora_order.size();
     const int64_t stride = st.lora_rank;
     xf.resize(rows * K);
-    xa.resize(rows * stride);
     for (int64_t j = 0; j < rows; ++j) {
       const T* x = in + st.lora_order[j] * K;
       float* f = xf.data() + j * K;
 #pragma omp simd
       for (int64_t k = 0; k < K; ++k) f[k] = tritonserve_vec::load_f(x + k);
     }
+    int64_t unit = 0;
     for (size_t s = 0; s + 1 < st.lora_begin.size(); ++s) {
       const int64_t b0 = st.lora_begin[s], b1 = st.lora_begin[s + 1];
       const auto& p = st.lora[s * per + i];
-      if (b1 > b0 && p.rank > 0)
-        tritonserve_lora::shrink(p, xf.data() + b0 * K, K, b1 - b0, xa.data() + b0 * stride,
-                                 stride);
+      for (int64_t k0 = 0; b1 > b0 && k0 < p.rank; k0 += tritonserve_lora::kLanes, ++unit)
+        if (unit % team == t)
+          tritonserve_lora::shrink(p, k0, k0 + tritonserve_lora::kLanes, xf.data() + b0 * K, K,
+                                   b1 - b0, st.lora_xa.data() + b0 * stride, stride);
     }
+    static constexpr Phase kPhaseOf[4] = {Phase::kQkv, Phase::kO, Phase::kGateUp, Phase::kDown};
+    meet(kPhaseOf[i % 4]);
   }
 
   // the adapter rows' (x A^T) B^T added to the output columns of the panels this thread
@@ -237,7 +241,7 @@ struct Team {
       for (size_t s = 0; s + 1 < st.lora_begin.size(); ++s) {
         const int64_t b0 = st.lora_begin[s], b1 = st.lora_begin[s + 1];
         if (b1 > b0)
-          tritonserve_lora::expand(st.lora[s * per + i], xa.data() + b0 * stride, stride,
+          tritonserve_lora::expand(st.lora[s * per + i], st.lora_xa.data() + b0 * stride, stride,
                                    st.lora_order.data() + b0, b1 - b0, c0, c1, y, ldy);
       }
       a = b;

@@ -116,6 +116,10 @@ struct Stack {
   int64_t lora_rank = 0;  // the widest projection's rank: a row's stride in Team::xa
   std::vector<int64_t> lora_order;  // the adapter rows, slot by slot
   std::vector<int64_t> lora_begin;  // [S + 1]: slot s's rows are lora_order[begin[s], begin[s+1])
+  std::vector<char> lora_any;  // [4L]: some row's adapter adapts matmul i
+  // the adapter rows' x A^T of the current matmul, in lora_order's order, rows lora_rank
+  // apart: the team shares the ranks out, meets, then each adds its panels' columns
+  std::vector<float> lora_xa;
   bool split = false;  // a split call: rope + K/V writes first, the parts merged after
   // rope + K/V writes first: a split call, or rows of one sequence (a speculating request's
   // K + 1 rows: engine/speculative.py), where a row attends to the rows before it
@@ -331,11 +335,15 @@ struct Stack {
     }
     lora_slot = lora_slots.data_ptr<int64_t>();
     lora_begin.assign(S + 1, 0);
+    lora_any.assign(4 * L, 0);
     for (int64_t s = 0; s < S; ++s) {
       for (int64_t r = 0; r < M; ++r)
         if (lora_slot[r] == s) lora_order.push_back(r);
       lora_begin[s + 1] = static_cast<int64_t>(lora_order.size());
+      for (int64_t i = 0; i < 4 * L && lora_begin[s + 1] > lora_begin[s]; ++i)
+        lora_any[i] |= lora[s * 4 * L + i].rank > 0;
     }
+    lora_xa.assign(lora_order.size() * lora_rank, 0.0f);
   }
 
   void allocate() {

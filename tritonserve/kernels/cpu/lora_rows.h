@@ -79,58 +79,90 @@ inline v16 load16(const W* p) {
 // vectors (no horizontal sums). Dot products a rank (the first form) ran at 11 GMAC/s here
 // against 60+ for a block (Xeon, AVX-512).
 
-// xa[r, k0 + 16 v + i] = sum_j x[r, j] AT[j, k0 + 16 v + i] for RB rows
+// xa[r, k0 + 16 v + i] = sum_j x[r, j] AT[j, k0 + 16 v + i] for RB rows; with few
+// accumulators, B banks of them take alternate j (independent FMA chains: one row's 576-long
+// chain waited on each FMA's latency)
 template <typename W, int RB, int NV>
 inline void shrink_block(const W* at, int64_t rank, int64_t k0, const float* x, int64_t K,
                          float* xa, int64_t stride) {
-  v16 acc[RB][NV];
+  constexpr int B = RB * NV >= 4 ? 1 : 4 / (RB * NV);
+  v16 acc[B][RB][NV];
 #pragma GCC unroll 4
-  for (int r = 0; r < RB; ++r)
+  for (int q = 0; q < B; ++q)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = v16{};
-  for (int64_t j = 0; j < K; ++j) {
-    v16 a[NV];
+    for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) a[v] = load16(at + j * rank + k0 + kLanes * v);
+      for (int v = 0; v < NV; ++v) acc[q][r][v] = v16{};
+  int64_t j = 0;
+  for (; j + B <= K; j += B)
 #pragma GCC unroll 4
-    for (int r = 0; r < RB; ++r) {
-      const float xj = x[r * K + j];
+    for (int q = 0; q < B; ++q) {
+      v16 a[NV];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] += xj * a[v];
+      for (int v = 0; v < NV; ++v) a[v] = load16(at + (j + q) * rank + k0 + kLanes * v);
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) {
+        const float xj = x[r * K + j + q];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[q][r][v] += xj * a[v];
+      }
     }
-  }
+  for (; j < K; ++j)
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v)
+        acc[0][r][v] += x[r * K + j] * load16(at + j * rank + k0 + kLanes * v);
+#pragma GCC unroll 4
+  for (int q = 1; q < B; ++q)
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[0][r][v] += acc[q][r][v];
 #pragma GCC unroll 4
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v)
-      std::memcpy(xa + r * stride + k0 + kLanes * v, &acc[r][v], sizeof(v16));
+      std::memcpy(xa + r * stride + k0 + kLanes * v, &acc[0][r][v], sizeof(v16));
 }
 
-template <typename W, int RB>
-inline void shrink_rows(const W* at, int64_t rank, const float* x, int64_t K, float* xa,
-                        int64_t stride) {
-  int64_t k0 = 0;
-  for (; k0 + 4 * kLanes <= rank; k0 += 4 * kLanes)
-    shrink_block<W, RB, 4>(at, rank, k0, x, K, xa, stride);
-  for (; k0 < rank; k0 += kLanes) shrink_block<W, RB, 1>(at, rank, k0, x, K, xa, stride);
-}
-
-// xa's rows [r * stride, + rank) for `rows` fp32 rows of x (K wide, contiguous)
+// ranks [k0, k1) (multiples of 16) of xa's rows, for `rows` fp32 rows of x (K wide,
+// contiguous), xa's rows `stride` apart
 template <typename W>
-inline void shrink_all(const W* at, int64_t rank, const float* x, int64_t K, int64_t rows,
-                       float* xa, int64_t stride) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) shrink_rows<W, 4>(at, rank, x + r * K, K, xa + r * stride, stride);
-  for (; r + 2 <= rows; r += 2) shrink_rows<W, 2>(at, rank, x + r * K, K, xa + r * stride, stride);
-  for (; r < rows; ++r) shrink_rows<W, 1>(at, rank, x + r * K, K, xa + r * stride, stride);
+inline void shrink_all(const W* at, int64_t rank, int64_t k0, int64_t k1, const float* x,
+                       int64_t K, int64_t rows, float* xa, int64_t stride) {
+  for (int64_t r = 0; r < rows;) {
+    const int64_t rb = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
+    for (int64_t k = k0; k < k1;) {
+      const int64_t nv = std::min<int64_t>(4, (k1 - k) / kLanes);
+      const float* xr = x + r * K;
+      float* out = xa + r * stride;
+#define TS_LORA_SHRINK(RB)                                                            \
+  if (nv == 4) shrink_block<W, RB, 4>(at, rank, k, xr, K, out, stride);               \
+  else if (nv == 3) shrink_block<W, RB, 3>(at, rank, k, xr, K, out, stride);          \
+  else if (nv == 2) shrink_block<W, RB, 2>(at, rank, k, xr, K, out, stride);          \
+  else shrink_block<W, RB, 1>(at, rank, k, xr, K, out, stride);
+      if (rb == 4) {
+        TS_LORA_SHRINK(4)
+      } else if (rb == 2) {
+        TS_LORA_SHRINK(2)
+      } else {
+        TS_LORA_SHRINK(1)
+      }
+#undef TS_LORA_SHRINK
+      k += nv * kLanes;
+    }
+    r += rb;
+  }
 }
 
-inline void shrink(const Proj& p, const float* x, int64_t K, int64_t rows, float* xa,
-                   int64_t stride) {
+// xa = x A^T for ranks [k0, k1) of projection p (a thread's share of its ranks)
+inline void shrink(const Proj& p, int64_t k0, int64_t k1, const float* x, int64_t K,
+                   int64_t rows, float* xa, int64_t stride) {
   if (p.bf16)
-    shrink_all(static_cast<const c10::BFloat16*>(p.at), p.rank, x, K, rows, xa, stride);
+    shrink_all(static_cast<const c10::BFloat16*>(p.at), p.rank, k0, k1, x, K, rows, xa, stride);
   else
-    shrink_all(static_cast<const float*>(p.at), p.rank, x, K, rows, xa, stride);
+    shrink_all(static_cast<const float*>(p.at), p.rank, k0, k1, x, K, rows, xa, stride);
 }
 
 // y_r[c0 + 16 v + i] += sum_k xa_r[k] BT[k, c0 - col + 16 v + i] for RB rows (y_r: row
