@@ -75,7 +75,8 @@ class LoraGroup:
 
 GROUPS = ("qkv", "o", "gate_up", "down")  # the layers op's four matmuls a layer, in order
 INDEX_WIDTH = 3 + 5 * 3  # kernels/cpu/lora_rows.h's kIndexWidth (three parts at most)
-LANES = 16  # and its kLanes: A^T's ranks padded with zeros to a multiple
+LANES = 16  # and its kLanes: A^T's ranks padded with zeros to a multiple, in chunks of 16
+TILE = 64  # and its kTile: B^T in tiles of 64 columns
 
 
 @dataclass
@@ -89,8 +90,8 @@ class LoraAdapter:
 
     def packed(self, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(blob, index) as the layers op reads them (kernels/cpu/lora_rows.h): per
-        projection 4 l + GROUPS.index(group), the stacked A transposed (its ranks padded to
-        a multiple of 16), then each part's B transposed;
+        projection 4 l + GROUPS.index(group), the stacked A transposed in chunks of 16 ranks
+        (padded to a multiple of 16), then each part's B transposed in tiles of 64 columns;
         made once, in the adapter's dtype (bf16: half the bytes a decode step reads)."""
         if self._packed is None:
             chunks: list[torch.Tensor] = []
@@ -105,14 +106,20 @@ class LoraAdapter:
 
             for (layer, group), stacked in sorted(self.groups.items()):
                 row = index[4 * layer + GROUPS.index(group)]
-                ranks = stacked.a.shape[0]
+                ranks, k = stacked.a.shape
                 padded = -(-ranks // LANES) * LANES
-                at = torch.zeros(stacked.a.shape[1], padded)
-                at[:, :ranks] = stacked.a.T
-                row[0], row[1], row[2] = put(at), padded, len(stacked.bs)
+                at = torch.zeros(k, padded)
+                at[:, :ranks] = stacked.a.T  # [K, rank] -> chunks of 16 ranks, each [K, 16]
+                at = at.reshape(k, padded // LANES, LANES).permute(1, 0, 2)
+                row[0], row[1], row[2] = put(at.contiguous()), padded, len(stacked.bs)
                 for j, (b, start, end, offset) in enumerate(stacked.bs):
+                    n, r = b.shape  # B^T [r, n] -> tiles of 64 columns, each [r, 64]
+                    tiles = -(-n // TILE)
+                    bt = torch.zeros(r, tiles * TILE)
+                    bt[:, :n] = b.T
+                    bt = bt.reshape(r, tiles, TILE).permute(1, 0, 2)
                     row[3 + 5 * j:8 + 5 * j] = torch.tensor(
-                        [start, end, offset, b.shape[0], put(b.T.contiguous())])
+                        [start, end, offset, n, put(bt.contiguous())])
             blob = torch.cat(chunks) if chunks else torch.zeros(0)
             self._packed = (blob.to(self.dtype).contiguous(), index)
         return self._packed
@@ -163,6 +170,7 @@ def load_adapter(name: str, path: str | Path, arch: ModelArch, max_rank: int = 6
             LoraPart(a.to(rounded).float().contiguous(),
                      (b.float() * scale).to(rounded).float().contiguous(), offset))
     adapter.groups = {key: LoraGroup.of(parts) for key, parts in adapter.parts.items()}
+    adapter.packed(arch.num_layers)  # at load, not on its first request's step (~30 ms)
     return adapter
 
 

@@ -323,7 +323,7 @@ struct Stack {
           const int64_t* q = row + 3 + 5 * j;
           const int64_t rs = q[0], re = q[1], col = q[2], cols = q[3], off = q[4];
           TORCH_CHECK(0 <= rs && rs < re && re <= p.rank && 0 <= col && cols >= 1 &&
-                          col + cols <= N && off >= 0 && off + (re - rs) * cols <= n,
+                          col + cols <= N && off >= 0 && off + tl::tiled_size(re - rs, cols) <= n,
                       "decode_layers: lora_index[", s, "] row ", i, " part ", j,
                       " out of its projection or blob");
           p.parts[j] = tl::Part{rs, re, col, cols, base + off * size};

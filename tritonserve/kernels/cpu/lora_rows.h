@@ -5,9 +5,11 @@
 //
 // The contract with the packer, one adapter's two tensors:
 // - blob: 1-D, fp32 (an fp32 engine's) or bf16 (a bf16 engine's: half the bytes a step
-//   reads). Per projection, its stacked A transposed, [K, rank] (q, k and v stacked: one pass
-//   over x for the three; rank padded with zeros to a multiple of 16), then each part's B
-//   transposed, [part rank, n], the adapter's scale folded in.
+//   reads). Per projection, its stacked A transposed in chunks of 16 ranks, [rank / 16][K][16]
+//   (q, k and v stacked: one pass over x for the three; the ranks padded with zeros to a
+//   multiple of 16; a chunk contiguous, so the threads sharing the chunks out read apart),
+//   then each part's B transposed in tiles of 64 columns, [n / 64][part rank][64] (the last
+//   tile padded with zeros), the adapter's scale folded in.
 // - index: int64 [4L, kIndexWidth], a row per projection (4 l + 0..3): the A's offset in the
 //   blob (elements), its rank (0: the adapter leaves the projection alone), the number of
 //   parts, then a part each: (rank start, rank end, first output column, columns, its BT's
@@ -33,14 +35,18 @@ using tritonserve_vec::v16;
 constexpr int kMaxParts = 3;  // q, k, v of the fused qkv
 constexpr int kIndexWidth = 3 + 5 * kMaxParts;
 constexpr int64_t kLanes = 16;  // a v16 of fp32; A's ranks are padded to a multiple
+constexpr int64_t kTile = 64;   // BT's columns a tile
+
+// a part's BT elements (its columns padded to whole tiles)
+inline int64_t tiled_size(int64_t ranks, int64_t n) { return ranks * ((n + kTile - 1) / kTile) * kTile; }
 
 struct Part {
   int64_t rs, re, col, n;  // ranks [rs, re) of the projection's A, output columns [col, col+n)
-  const void* bt;          // [re - rs, n] in the blob's dtype
+  const void* bt;          // BT [re - rs, n] in tiles: [n / 64][re - rs][64], the blob's dtype
 };
 
 struct Proj {
-  const void* at = nullptr;  // A transposed, [K, rank] in the blob's dtype
+  const void* at = nullptr;  // A^T [K, rank] in chunks of 16 ranks: [rank / 16][K][16]
   bool bf16 = false;         // the blob holds bf16 (a bf16 engine's adapters), else fp32
   int64_t rank = 0;          // padded to a multiple of kLanes (the pad's columns are zeros)
   int nparts = 0;
@@ -99,7 +105,7 @@ inline void shrink_block(const W* at, int64_t rank, int64_t k0, const float* x, 
     for (int q = 0; q < B; ++q) {
       v16 a[NV];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) a[v] = load16(at + (j + q) * rank + k0 + kLanes * v);
+      for (int v = 0; v < NV; ++v) a[v] = load16(at + ((k0 / kLanes + v) * K + j + q) * kLanes);
 #pragma GCC unroll 4
       for (int r = 0; r < RB; ++r) {
         const float xj = x[r * K + j + q];
@@ -112,7 +118,7 @@ inline void shrink_block(const W* at, int64_t rank, int64_t k0, const float* x, 
     for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v)
-        acc[0][r][v] += x[r * K + j] * load16(at + j * rank + k0 + kLanes * v);
+        acc[0][r][v] += x[r * K + j] * load16(at + ((k0 / kLanes + v) * K + j) * kLanes);
 #pragma GCC unroll 4
   for (int q = 1; q < B; ++q)
 #pragma GCC unroll 4
@@ -165,19 +171,18 @@ inline void shrink(const Proj& p, int64_t k0, int64_t k1, const float* x, int64_
     shrink_all(static_cast<const float*>(p.at), p.rank, k0, k1, x, K, rows, xa, stride);
 }
 
-// y_r[c0 + 16 v + i] += sum_k xa_r[k] BT[k, c0 - col + 16 v + i] for RB rows (y_r: row
-// rows[r] of y): the product summed in fp32, rounded to T, then added once (as torch's
-// out += (xa @ B^T).to(out.dtype) rounds)
+// y_r[c + 16 v + i] += sum_k xa_r[rs + k] b[k * kTile + 16 v + i] for RB rows (y_r: row
+// rows[r] of y; b: the tile's first row at column c): the product summed in fp32, rounded to
+// T, then added once (as torch's out += (xa @ B^T).to(out.dtype) rounds)
 template <typename W, typename T, int RB, int NV>
-inline void expand_block(const Part& part, const float* xa, int64_t stride,
-                         const int64_t* rows, int64_t c0, T* y, int64_t ldy) {
+inline void expand_block(const W* b, int64_t ranks, const float* xa, int64_t stride,
+                         const int64_t* rows, int64_t c, T* y, int64_t ldy) {
   v16 acc[RB][NV];
 #pragma GCC unroll 4
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = v16{};
-  const W* b = static_cast<const W*>(part.bt) + (c0 - part.col);
-  for (int64_t k = part.rs; k < part.re; ++k, b += part.n) {
+  for (int64_t k = 0; k < ranks; ++k, b += kTile) {
     v16 bk[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) bk[v] = load16(b + kLanes * v);
@@ -196,38 +201,46 @@ inline void expand_block(const Part& part, const float* xa, int64_t stride,
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) std::memcpy(&sum[r][kLanes * v], &acc[r][v], sizeof(v16));
   for (int r = 0; r < RB; ++r) {
-    T* yr = y + rows[r] * ldy + c0;
+    T* yr = y + rows[r] * ldy + c;
 #pragma omp simd
-    for (int64_t c = 0; c < NV * kLanes; ++c)
-      tritonserve_vec::store_f(yr + c, tritonserve_vec::load_f(yr + c) +
-                                           tritonserve_vec::round_to<T>(sum[r][c]));
+    for (int64_t i = 0; i < NV * kLanes; ++i)
+      tritonserve_vec::store_f(yr + i, tritonserve_vec::load_f(yr + i) +
+                                           tritonserve_vec::round_to<T>(sum[r][i]));
   }
 }
 
-// the columns [c0, c1) of y that a part covers, for RB rows: blocks of 64, 32 and 16
-// columns, then the last few one at a time (a thread's run of panels at once: a panel at a
-// time, 32 columns, took 1.5x as long)
+// the columns [c0, c1) of y that a part covers, for RB rows: blocks of 64, 32 or 16 columns
+// within a tile (each block's BT rows contiguous, 64 apart: the row-major BT's 16 rows 1-3 KB
+// apart streamed at a third of the rate), the odd columns one at a time
 template <typename W, typename T, int RB>
 inline void expand_cols(const Part& part, const float* xa, int64_t stride, const int64_t* rows,
                         int64_t c0, int64_t c1, T* y, int64_t ldy) {
-  int64_t c = std::max(c0, part.col);
-  const int64_t hi = std::min(c1, part.col + part.n);
-  for (; c + 4 * kLanes <= hi; c += 4 * kLanes)
-    expand_block<W, T, RB, 4>(part, xa, stride, rows, c, y, ldy);
-  if (c + 2 * kLanes <= hi) {
-    expand_block<W, T, RB, 2>(part, xa, stride, rows, c, y, ldy);
-    c += 2 * kLanes;
-  }
-  for (; c + kLanes <= hi; c += kLanes) expand_block<W, T, RB, 1>(part, xa, stride, rows, c, y, ldy);
-  for (; c < hi; ++c)
-    for (int r = 0; r < RB; ++r) {
-      const W* b = static_cast<const W*>(part.bt) + (c - part.col);
-      float s = 0.0f;
-      for (int64_t k = part.rs; k < part.re; ++k)
-        s += xa[r * stride + k] * tritonserve_vec::load_f(b + (k - part.rs) * part.n);
-      T* yc = y + rows[r] * ldy + c;
-      tritonserve_vec::store_f(yc, tritonserve_vec::load_f(yc) + tritonserve_vec::round_to<T>(s));
+  const int64_t ranks = part.re - part.rs, hi = std::min(c1, part.col + part.n);
+  const W* bt = static_cast<const W*>(part.bt);
+  xa += part.rs;
+  for (int64_t c = std::max(c0, part.col); c < hi;) {
+    const int64_t o = c - part.col, within = o % kTile;
+    const W* b = bt + (o / kTile) * ranks * kTile + within;
+    if (within == 0 && c + kTile <= hi) {
+      expand_block<W, T, RB, 4>(b, ranks, xa, stride, rows, c, y, ldy);
+      c += kTile;
+    } else if (within % 32 == 0 && c + 32 <= hi) {
+      expand_block<W, T, RB, 2>(b, ranks, xa, stride, rows, c, y, ldy);
+      c += 32;
+    } else if (within % kLanes == 0 && c + kLanes <= hi) {
+      expand_block<W, T, RB, 1>(b, ranks, xa, stride, rows, c, y, ldy);
+      c += kLanes;
+    } else {
+      for (int r = 0; r < RB; ++r) {
+        float s = 0.0f;
+        for (int64_t k = 0; k < ranks; ++k)
+          s += xa[r * stride + k] * tritonserve_vec::load_f(b + k * kTile);
+        T* yc = y + rows[r] * ldy + c;
+        tritonserve_vec::store_f(yc, tritonserve_vec::load_f(yc) + tritonserve_vec::round_to<T>(s));
+      }
+      ++c;
     }
+  }
 }
 
 template <typename W, typename T>
