@@ -11,7 +11,7 @@ projection's output gets, for every adapter present, x[rows] @ A.T @ B.T * scale
 its rows and columns (models/decoder.py). The base matmul is untouched, so adapters work over
 dense, GGUF-block and int4 weights alike. A float32 decode step under the layers plan keeps
 the layers op, which takes each row's adapter slot and the adapters' packed tensors
-(LoraAdapter.packed, kernels/cpu/lora_rows.h); any other step with an adapter row runs the
+(LoraAdapter.packed, kernels/cpu/lora_step.h); any other step with an adapter row runs the
 model op by op (the decode graphs take none: engine/model_runner.py). A request's KV cache
 blocks are keyed by its adapter (Request.cache_salt), so an adapter never reads the base
 model's cached prefix nor another adapter's.

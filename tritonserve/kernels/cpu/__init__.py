@@ -121,7 +121,7 @@ OPS: tuple[tuple[str, object, str], ...] = (
          (x.new_empty(input_ids.shape[0], x.shape[1]),
           x.new_empty(input_ids.shape[0], x.shape[1]))),
      "a decode step's whole decoder stack in one parallel region (decode_layers.cpp), LoRA "
-     "rows in fp32 (lora_rows.h); ask through decode_layers(dtype, ...), which checks this "
+     "rows (lora_step.h); ask through decode_layers(dtype, ...), which checks this "
      "build runs the shapes"),
     ("sample_softmax",
      lambda logits, *args: logits.new_empty(logits.shape[0], dtype=torch.int64),

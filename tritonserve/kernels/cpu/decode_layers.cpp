@@ -18,7 +18,8 @@
 //     (pack_gate_up_bf16), else plain panels of 2I outputs, silu_and_mul after (an engine
 //     that serves adapters keeps gate and up apart for them).
 //   With lora_slots [M]: each row's LoRA adapter (-1: none), whose packed lora_blobs /
-//     lora_index (lora_rows.h) add x A^T B^T to each projection it adapts.
+//     lora_index (lora_rows.h's layout, lora_step.h) add x A^T B^T to each projection it
+//     adapts.
 // Per layer, the op-by-op step's work with its roundings: residual += x and the input norm;
 // qkv (+ bias); for each (sequence, KV heads) item, q and k rotated, k and v written at the
 // sequence's slot, then its decode attention (bf16: paged_decode_bf16.h's streaming
@@ -184,8 +185,14 @@ struct Team {
   void matmul(int64_t i, const T* in, T* y, int64_t ldy) {
     const int64_t threads = st.threads;
     if (st.mm[i].quant) group_sums(st.mm[i], in);
-    const bool lora = st.lora_slot != nullptr && st.lora_any[i];
-    if (lora) lora_shrink(i, in), taken.clear();
+    const bool lora = st.lora.adapts(i);
+    if (lora) {  // every adapter row's x A^T, shared out (lora_step.h); then the team meets
+      static constexpr Phase kPhaseOf[4] = {Phase::kQkv, Phase::kO, Phase::kGateUp,
+                                            Phase::kDown};
+      st.lora.shrink(i, in, st.mm[i].K, xf, t, team);
+      meet(kPhaseOf[i % 4]);
+      taken.clear();
+    }
     Owned* own = &st.owned[i * threads];
     int64_t p;
     while (take(own[t], true, p)) {
@@ -197,55 +204,9 @@ struct Team {
         product(i, in, y, ldy, p);
         if (lora) taken.push_back(p);
       }
-    if (lora) lora_expand(i, y, ldy);
-  }
-
-  // every adapter row's x A^T for matmul i into Stack::lora_xa: the (adapter, 16 ranks)
-  // chunks shared out in turn, each thread's rows gathered in fp32 first; then the team meets
-  // (each thread computing every rank read each A twice: 3.7 ms a step of 16 rows over 4
-  // rank-16 adapters on both threads, against ~2 for the two halves and a barrier)
-  void lora_shrink(int64_t i, const T* in) {
-    const int64_t K = st.mm[i].K, per = 4 * st.L, rows = st.lora_order.size();
-    const int64_t stride = st.lora_rank;
-    xf.resize(rows * K);
-    for (int64_t j = 0; j < rows; ++j) {
-      const T* x = in + st.lora_order[j] * K;
-      float* f = xf.data() + j * K;
-#pragma omp simd
-      for (int64_t k = 0; k < K; ++k) f[k] = tritonserve_vec::load_f(x + k);
-    }
-    int64_t unit = 0;
-    for (size_t s = 0; s + 1 < st.lora_begin.size(); ++s) {
-      const int64_t b0 = st.lora_begin[s], b1 = st.lora_begin[s + 1];
-      const auto& p = st.lora[s * per + i];
-      for (int64_t k0 = 0; b1 > b0 && k0 < p.rank; k0 += tritonserve_lora::kLanes, ++unit)
-        if (unit % team == t)
-          tritonserve_lora::shrink(p, k0, k0 + tritonserve_lora::kLanes, xf.data() + b0 * K, K,
-                                   b1 - b0, st.lora_xa.data() + b0 * stride, stride);
-    }
-    static constexpr Phase kPhaseOf[4] = {Phase::kQkv, Phase::kO, Phase::kGateUp, Phase::kDown};
-    meet(kPhaseOf[i % 4]);
-  }
-
-  // the adapter rows' (x A^T) B^T added to the output columns of the panels this thread
-  // computed of matmul i, a run of consecutive panels at a time, each adapter's rows at once
-  void lora_expand(int64_t i, T* y, int64_t ldy) {
-    const Matmul& m = st.mm[i];
-    const int64_t width = m.quant ? tritonserve_panels_quant::kCols : cols;
-    const int64_t per = 4 * st.L, stride = st.lora_rank;
-    std::sort(taken.begin(), taken.end());
-    for (size_t a = 0; a < taken.size();) {
-      size_t b = a + 1;
-      while (b < taken.size() && taken[b] == taken[b - 1] + 1) ++b;
-      const int64_t c0 = taken[a] * width, c1 = std::min(m.N, (taken[b - 1] + 1) * width);
-      for (size_t s = 0; s + 1 < st.lora_begin.size(); ++s) {
-        const int64_t b0 = st.lora_begin[s], b1 = st.lora_begin[s + 1];
-        if (b1 > b0)
-          tritonserve_lora::expand(st.lora[s * per + i], st.lora_xa.data() + b0 * stride, stride,
-                                   st.lora_order.data() + b0, b1 - b0, c0, c1, y, ldy);
-      }
-      a = b;
-    }
+    if (lora)  // (x A^T) B^T added to the columns of this thread's panels
+      st.lora.expand(i, taken, st.mm[i].quant ? tritonserve_panels_quant::kCols : cols,
+                     st.mm[i].N, y, ldy);
   }
 
   // a quantized matmul's input group sums (panels_quant.h), this thread's copy

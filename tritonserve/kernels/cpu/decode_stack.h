@@ -15,7 +15,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "lora_rows.h"
+#include "lora_step.h"
 #include "owned_panels.h"
 #include "paged_decode_bf16.h"
 #include "paged_decode_portable.h"
@@ -109,17 +109,7 @@ struct Stack {
   std::unique_ptr<Owned[]> owned;  // the panels of matmul i, thread t: [i * threads + t]
   std::unique_ptr<std::atomic<int64_t>[]> next;  // a layer's next attention item
   std::unique_ptr<tritonserve_sweep::Items> work;
-  // LoRA: projection i of slot s is lora[s * 4L + i]; lora_slot null when no row has one
-  std::vector<tritonserve_lora::Proj> lora;
-  torch::Tensor lora_slots;
-  const int64_t* lora_slot = nullptr;  // [M], -1: the base
-  int64_t lora_rank = 0;  // the widest projection's rank: a row's stride in Team::xa
-  std::vector<int64_t> lora_order;  // the adapter rows, slot by slot
-  std::vector<int64_t> lora_begin;  // [S + 1]: slot s's rows are lora_order[begin[s], begin[s+1])
-  std::vector<char> lora_any;  // [4L]: some row's adapter adapts matmul i
-  // the adapter rows' x A^T of the current matmul, in lora_order's order, rows lora_rank
-  // apart: the team shares the ranks out, meets, then each adds its panels' columns
-  std::vector<float> lora_xa;
+  tritonserve_lora::Step lora;  // the step's adapters (lora_step.h)
   bool split = false;  // a split call: rope + K/V writes first, the parts merged after
   // rope + K/V writes first: a split call, or rows of one sequence (a speculating request's
   // K + 1 rows: engine/speculative.py), where a row attends to the rows before it
@@ -274,76 +264,11 @@ struct Stack {
     }
   }
 
-  // the adapters' packed tensors (lora_rows.h's contract), every offset checked against its
-  // blob and every part against its projection before anything runs
+  // the adapters' packed tensors, checked against the matmuls (lora_step.h)
   void check_lora() {
-    const int64_t S = static_cast<int64_t>(a.lora_blobs.size());
-    TORCH_CHECK(a.lora_index.size() == a.lora_blobs.size() && (S == 0 || a.lora_slots),
-                "decode_layers: lora_slots with one lora_index a lora_blob");
-    if (!a.lora_slots) return;
-    lora_slots = a.lora_slots->contiguous();
-    TORCH_CHECK(lora_slots.dim() == 1 && lora_slots.size(0) == M &&
-                    lora_slots.scalar_type() == torch::kInt64,
-                "decode_layers: lora_slots must be int64 [M]");
-    for (int64_t r = 0; r < M; ++r) {
-      const int64_t s = lora_slots.data_ptr<int64_t>()[r];
-      TORCH_CHECK(s >= -1 && s < S, "decode_layers: lora slot ", s, " out of range [-1, ", S,
-                  ")");
-    }
-    namespace tl = tritonserve_lora;
-    lora.resize(S * 4 * L);
-    for (int64_t s = 0; s < S; ++s) {
-      const auto& blob = a.lora_blobs[s];
-      const auto& index = a.lora_index[s];
-      const bool bf16_blob = blob.scalar_type() == torch::kBFloat16;
-      TORCH_CHECK(blob.dim() == 1 && blob.is_contiguous() &&
-                      (bf16_blob || blob.scalar_type() == torch::kFloat32) &&
-                      index.is_contiguous() &&
-                      index.scalar_type() == torch::kInt64 && index.dim() == 2 &&
-                      index.size(0) == 4 * L && index.size(1) == tl::kIndexWidth,
-                  "decode_layers: lora_blobs[", s, "] fp32 or bf16 1-D, lora_index[", s,
-                  "] int64 [4L, ", tl::kIndexWidth, "]");
-      const char* base = static_cast<const char*>(blob.data_ptr());
-      const int64_t n = blob.numel(), size = blob.element_size();
-      for (int64_t i = 0; i < 4 * L; ++i) {
-        const int64_t* row = index.data_ptr<int64_t>() + i * tl::kIndexWidth;
-        tl::Proj& p = lora[s * 4 * L + i];
-        const int64_t K = mm[i].K, N = mm[i].N;
-        p.rank = row[1];
-        p.bf16 = bf16_blob;
-        p.nparts = static_cast<int>(row[2]);
-        if (p.rank == 0) continue;
-        TORCH_CHECK(p.rank > 0 && p.rank <= 4096 && p.rank % tl::kLanes == 0 && row[0] >= 0 &&
-                        row[0] + p.rank * K <= n &&
-                        p.nparts >= 1 && p.nparts <= tl::kMaxParts,
-                    "decode_layers: lora_index[", s, "] row ", i, ": A^T out of its blob or "
-                    "its rank not a multiple of ", tl::kLanes);
-        p.at = base + row[0] * size;
-        for (int j = 0; j < p.nparts; ++j) {
-          const int64_t* q = row + 3 + 5 * j;
-          const int64_t rs = q[0], re = q[1], col = q[2], cols = q[3], off = q[4];
-          TORCH_CHECK(0 <= rs && rs < re && re <= p.rank && 0 <= col && cols >= 1 &&
-                          col + cols <= N && off >= 0 && off + tl::tiled_size(re - rs, cols) <= n,
-                      "decode_layers: lora_index[", s, "] row ", i, " part ", j,
-                      " out of its projection or blob");
-          p.parts[j] = tl::Part{rs, re, col, cols, base + off * size};
-        }
-        TORCH_CHECK(!mm[i].silu, "decode_layers: lora_index[", s, "] adapts gate/up, whose "
-                    "bf16 panels apply silu in the matmul");
-        lora_rank = std::max(lora_rank, p.rank);
-      }
-    }
-    lora_slot = lora_slots.data_ptr<int64_t>();
-    lora_begin.assign(S + 1, 0);
-    lora_any.assign(4 * L, 0);
-    for (int64_t s = 0; s < S; ++s) {
-      for (int64_t r = 0; r < M; ++r)
-        if (lora_slot[r] == s) lora_order.push_back(r);
-      lora_begin[s + 1] = static_cast<int64_t>(lora_order.size());
-      for (int64_t i = 0; i < 4 * L && lora_begin[s + 1] > lora_begin[s]; ++i)
-        lora_any[i] |= lora[s * 4 * L + i].rank > 0;
-    }
-    lora_xa.assign(lora_order.size() * lora_rank, 0.0f);
+    std::vector<tritonserve_lora::Shape> shapes;
+    for (const auto& m : mm) shapes.push_back({m.K, m.N, m.silu});
+    lora.check(a.lora_slots, a.lora_blobs, a.lora_index, M, shapes);
   }
 
   void allocate() {
