@@ -91,6 +91,8 @@ class ModelRunner:
         self.weights = put_in_form(self.model, self.plan.weights, self.plan.dense_above,
                                    config, arch, gguf, folder, packed, scheme)
         del packed
+        # the dense twin's projections take LoRA rows (else an adapter's step runs the form's)
+        self.twin_takes_lora = self.weights.dense is None or _takes_lora(self.weights.dense)
         self.backend = make_attention_backend(self.plan.attention)
         self.num_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -181,7 +183,7 @@ class ModelRunner:
             self.decode_takes_lora = _takes_lora(self.model)
             if self.weights.dense is not None:
                 self.dense_decode_step = self.weights.dense.decode_layers(self.block_size)
-                self.dense_takes_lora = _takes_lora(self.weights.dense)
+                self.dense_takes_lora = self.twin_takes_lora
         elif self.plan.mode != "eager":
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend,
                                        null_block=self.num_blocks, block_size=self.block_size,
@@ -267,7 +269,7 @@ class ModelRunner:
         the model op by op."""
         n = model_input.input_ids.shape[0]
         model = self.weights.model_for(n)
-        if model_input.lora is not None and not _takes_lora(model):
+        if model_input.lora is not None and model is not self.model and not self.twin_takes_lora:
             model = self.model  # the dense twin's gate/up applies silu: no adapter there
         step, takes_lora = (self.decode_step, self.decode_takes_lora) if model is self.model \
             else (self.dense_decode_step, self.dense_takes_lora)
