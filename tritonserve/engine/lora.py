@@ -9,16 +9,16 @@ offsets; gate, up -> gate_up), scaled by lora_alpha / r (rsLoRA: / sqrt(r)).
 A step whose rows include an adapter's carries a LoraBatch in its ForwardContext: each
 projection's output gets, for every adapter present, x[rows] @ A.T @ B.T * scale added to
 its rows and columns (models/decoder.py). The base matmul is untouched, so adapters work over
-dense, GGUF-block and int4 weights alike. A float32 decode step under the layers plan keeps
-the layers op, which takes each row's adapter slot and the adapters' packed tensors
+dense, GGUF-block and int4 weights alike. A decode step under the layers plan (fp32 or bf16)
+keeps the layers op, which takes each row's adapter slot and the adapters' packed tensors
 (LoraAdapter.packed, kernels/cpu/lora_step.h); any other step with an adapter row runs the
 model op by op (the decode graphs take none: engine/model_runner.py). A request's KV cache
 blocks are keyed by its adapter (Request.cache_salt), so an adapter never reads the base
 model's cached prefix nor another adapter's.
 
 Not yet: the engine calling kernels/triton/lora.py's shrink / expand on CUDA (they are
-tested, not wired), adapters in a bf16 layers op, tensor parallelism, mixture-of-experts
-layers. Loading at run time: server/routes_lora.py.
+tested, not wired), tensor parallelism, mixture-of-experts layers, --max-loras (a step takes
+every adapter its requests hold). Loading at run time: server/routes_lora.py.
 """
 from __future__ import annotations
 
@@ -216,7 +216,6 @@ class LoraBatch:
             for b, start, end, offset in stacked.bs:
                 # a slice of rows adds in place into the view; index rows scatter back
                 out[rows, offset:offset + b.shape[0]] += (xa[:, start:end] @ b.T).to(out.dtype)
-
 
     def layers_args(self, rows: int, num_layers: int) -> tuple:
         """The layers op's LoRA arguments for a step of these rows: (each row's slot, -1 for
