@@ -358,3 +358,35 @@ def test_a_bf16_engine_on_gguf_blocks_adds_adapters_on_its_dense_twin(op_models,
     assert [o.token_ids for o in adapted] != base
     assert {w for rows, lora, w in ran if lora and rows > 8} == {"twin"}
     assert {w for rows, lora, w in ran if lora and rows <= 8} <= {"blocks"}
+
+
+def test_max_loras_caps_the_adapters_a_step_holds(tiny_model, adapters):
+    """max_loras 1 with requests of the base and of two adapters interleaved: no step holds
+    more than one adapter, a1's requests start once a0's have all ended, the base's requests
+    are never held back by it, and each request gets its uncapped tokens."""
+    names = [None, "a0", "a1"] * 2
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    free = LLM(tiny_model, dtype="float32", lora_modules=_modules(adapters))
+    prompts = mixed_prompts(free.tokenizer, count=len(names), seed=8)
+    want = [o.token_ids for o in free.generate(prompts, greedy, lora=names)]
+    llm = LLM(tiny_model, dtype="float32", lora_modules=_modules(adapters), max_loras=1)
+    scheduler, steps = llm.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def spied():
+        out = schedule()
+        steps.append({s.request.request_id: s.request.lora.name if s.request.lora else None
+                      for s in out.scheduled})
+        return out
+    scheduler.schedule = spied
+    assert [o.token_ids for o in llm.generate(prompts, greedy, lora=names)] == want
+    held = [set(step.values()) - {None} for step in steps if step]
+    assert all(len(h) <= 1 for h in held)
+    assert {"a0"} in held and {"a1"} in held
+    assert {"a0"} not in held[held.index({"a1"}):]  # a1 waited for a0's requests to end
+    base = {rid for step in steps for rid, name in step.items() if name is None}
+    for rid in base:  # every step from its first to its last: never held back
+        at = [i for i, step in enumerate(steps) if rid in step]
+        assert at == list(range(at[0], at[0] + len(at))), rid
+    with pytest.raises(ValueError, match="max_loras"):
+        LLM(tiny_model, max_loras=0)

@@ -113,6 +113,12 @@ class SchedulerConfig:
     # cap on CUDA, where 64 rows cost about what 8 do
     priority_step_tokens: int | None = None
     priority_window_s: float = 30.0
+    # LoRA adapters the running requests may hold (vLLM's --max-loras, SGLang's
+    # max_loras_per_batch, 8): each adds its A and B to the bytes a step reads (a rank-16
+    # adapter of SmolLM2: 9.8 MB in bf16, ~10 % of the Q4 blocks). A waiting request of another
+    # adapter waits until one's requests have all ended (as vLLM's); requests behind it, and
+    # the base's, pass it
+    max_loras: int = 8
 
     def long_prefill_tokens_on(self, device: str) -> int | None:
         """long_prefill_tokens on `device` (None: no cap)."""
@@ -137,6 +143,8 @@ class SchedulerConfig:
                              f"{self.prompt_only_share}")
         if self.long_prefill_tokens is not None and self.long_prefill_tokens < 1:
             raise ValueError(f"long_prefill_tokens must be >= 1, got {self.long_prefill_tokens}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.priority_step_tokens is not None and self.priority_step_tokens < 1:
             raise ValueError(f"priority_step_tokens must be >= 1, got {self.priority_step_tokens}")
         if self.priority_window_s < 0:

@@ -17,8 +17,8 @@ blocks are keyed by its adapter (Request.cache_salt), so an adapter never reads 
 model's cached prefix nor another adapter's.
 
 Not yet: the engine calling kernels/triton/lora.py's shrink / expand on CUDA (they are
-tested, not wired), tensor parallelism, mixture-of-experts layers, --max-loras (a step takes
-every adapter its requests hold). Loading at run time: server/routes_lora.py.
+tested, not wired), tensor parallelism, mixture-of-experts layers. The adapters a step holds:
+SchedulerConfig.max_loras (engine/scheduler.py). Loading at run time: server/routes_lora.py.
 """
 from __future__ import annotations
 

@@ -152,6 +152,8 @@ class Scheduler:
             and not head.waits_for_sibling else None  # running requests it outranks wait
         self.step_count += 1
         capped = self.urgent.allowance(self.running)
+        # the LoRA adapters running requests hold: at most max_loras (admission keeps it so)
+        adapters = {r.lora.name for r in self.running if r.lora is not None}
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -206,6 +208,11 @@ class Scheduler:
                 break  # priority_step_tokens spent: the queue behind waits too
             if pressure and not outranks:
                 break
+            if request.lora is not None and request.lora.name not in adapters:
+                if len(adapters) >= self.config.max_loras:
+                    reading += 1  # max_loras held: it waits, the ones behind it go first
+                    continue
+                adapters.add(request.lora.name)
             fits = False
             if len(self.running) < self.config.max_num_seqs:
                 if not self.kv_cache.read_from_disk(request):

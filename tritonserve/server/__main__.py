@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prompt-only-tokens", type=int, default=q.max_prompt_only_tokens,
                    help="while a request decodes, the tokens of a step that embedding and "
                    "scoring requests (max_tokens 0) may take")
+    p.add_argument("--max-loras", type=int, default=q.max_loras,
+                   help="LoRA adapters the running requests may hold (a request of another "
+                   "waits until one's requests have ended)")
     p.add_argument("--prompt-only-share", type=float, default=q.prompt_only_share,
                    help="while a request decodes, the share of the engine's time embedding "
                    "and scoring requests may take (1: no time rule)")
@@ -223,6 +226,7 @@ def engine_config(args: argparse.Namespace):
         max_prompt_only_tokens=args.max_prompt_only_tokens,
         prompt_only_share=args.prompt_only_share, long_prefill_tokens=args.long_prefill_tokens,
         priority_step_tokens=args.priority_step_tokens, priority_window_s=args.priority_window_s,
+        max_loras=args.max_loras,
         attention_backend=args.attention_backend, sampler_backend=args.sampler_backend,
         load_format=args.load_format, quantization=args.quantization,
         decode_mode=args.decode_mode, tensor_parallel_size=args.tensor_parallel_size,
