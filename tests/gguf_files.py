@@ -2,7 +2,8 @@
 convert_hf_to_gguf.py writes it: its metadata keys (gguf-py's Keys), tensor names (gguf-py's
 TensorNameMap, the converter's own table) and transforms (q/k rows permuted for the `llama`-
 style converters, Gemma's norms stored as 1 + w, Phi-3's longrope factors as tensors), the
-byte-level BPE tokenizer as `gpt2` vocab, projections in F32 or Q8_0 blocks."""
+byte-level BPE tokenizer as `gpt2` vocab, projections in F32 or Q8_0 blocks (gpt-oss's
+experts in MXFP4, as llama.cpp's converter keeps them)."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,7 @@ CONVERTERS = {
     "Qwen3MoeForCausalLM": ("qwen3moe", False, 0.0),
     "OlmoeForCausalLM": ("olmoe", False, 0.0),
     "MixtralForCausalLM": ("llama", True, 0.0),  # llama.cpp writes Mixtral as llama + experts
+    "GptOssForCausalLM": ("gpt-oss", False, 0.0),
 }
 # a checkpoint's per-expert tensor -> (layer prefix, expert, projection); Mixtral's w1 / w2 / w3
 _EXPERT = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -45,6 +47,31 @@ def _stack_experts(state: dict) -> dict:
     for (prefix, proj), by_index in experts.items():
         out[f"{prefix}.mlp.experts.{proj}.weight"] = torch.stack(
             [by_index[e] for e in sorted(by_index)])
+    return out
+
+
+def _split_gpt_oss(state: dict) -> dict:
+    """llama.cpp's GptOssModel.modify_tensors: each layer's gate_up_proj [E, H, 2I] (gate and
+    up columns interleaved) split into stacked gate and up [E, I, H], down_proj [E, I, H]
+    transposed to [E, H, I], the biases alike; the sinks as a weight."""
+    out = {}
+    for name, t in state.items():
+        base, _, proj = name.rpartition(".mlp.experts.")
+        if proj == "gate_up_proj":
+            t = t.transpose(1, 2)
+            out[f"{base}.mlp.experts.gate_proj.weight"] = t[:, 0::2]
+            out[f"{base}.mlp.experts.up_proj.weight"] = t[:, 1::2]
+        elif proj == "gate_up_proj_bias":
+            out[f"{base}.mlp.experts.gate_proj.bias"] = t[:, 0::2]
+            out[f"{base}.mlp.experts.up_proj.bias"] = t[:, 1::2]
+        elif proj == "down_proj":
+            out[f"{base}.mlp.experts.down_proj.weight"] = t.transpose(1, 2)
+        elif proj == "down_proj_bias":
+            out[f"{base}.mlp.experts.down_proj.bias"] = t
+        elif name.endswith(".sinks"):
+            out[f"{name}.weight"] = t
+        else:
+            out[name] = t
     return out
 
 
@@ -93,7 +120,7 @@ def write_gguf(folder: Path, path: Path, quantized: bool = False) -> Path:
     fraction = rope.get("partial_rotary_factor") or config.get("partial_rotary_factor") or 1.0
     writer.add_rope_dimension_count(int(head_dim * fraction))
     _rope_keys(writer, gguf, config)
-    if config.get("sliding_window") and arch in ("gemma2", "gemma3", "phi3"):
+    if config.get("sliding_window") and arch in ("gemma2", "gemma3", "phi3", "gpt-oss"):
         writer.add_sliding_window(int(config["sliding_window"]))
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(float(config["attn_logit_softcapping"]))
@@ -119,14 +146,19 @@ def write_gguf(folder: Path, path: Path, quantized: bool = False) -> Path:
         writer.add_expert_used_count(int(config["num_experts_per_tok"]))
         if config.get("moe_intermediate_size"):
             writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+        if arch == "gpt-oss":
+            writer.add_expert_feed_forward_length(int(config["intermediate_size"]))
     _tokenizer(writer, folder)
 
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n_layers)
-    for name, tensor in _stack_experts(load_file(str(folder / "model.safetensors"))).items():
+    names = gguf.get_tensor_name_map(
+        next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), n_layers)
+    state = load_file(str(folder / "model.safetensors"))
+    state = _split_gpt_oss(state) if arch == "gpt-oss" else _stack_experts(state)
+    for name, tensor in state.items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue  # the converters skip a tied head
         tensor = tensor.float()
-        base = name.rsplit(".", 1)[0]
+        base, suffix = name.rsplit(".", 1)
         target = names.get_name(base)
         assert target is not None, f"no GGUF name for {name}"
         if shift and name.endswith("norm.weight"):
@@ -134,13 +166,17 @@ def write_gguf(folder: Path, path: Path, quantized: bool = False) -> Path:
         if permuted and base.endswith(("q_proj", "k_proj")):
             tensor = _permute(tensor, heads if base.endswith("q_proj") else kv_heads)
         data = tensor.numpy()
-        if quantized and data.ndim in (2, 3) and data.shape[-1] % 32 == 0 and \
-                not base.endswith("mlp.gate"):  # llama.cpp keeps the router in F32
-            blocks = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(f"{target}.weight", blocks, raw_shape=blocks.shape,
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if quantized and suffix == "weight" and data.ndim in (2, 3) and \
+                data.shape[-1] % 32 == 0 and not base.endswith(("mlp.gate", "mlp.router")):
+            # llama.cpp keeps the router in F32; gpt-oss's experts stay MXFP4
+            kind = gguf.GGMLQuantizationType.Q8_0
+            if arch == "gpt-oss" and data.ndim == 3:
+                kind = gguf.GGMLQuantizationType.MXFP4
+            blocks = gguf.quants.quantize(data, kind)
+            writer.add_tensor(f"{target}.{suffix}", blocks, raw_shape=blocks.shape,
+                              raw_dtype=kind)
         else:
-            writer.add_tensor(f"{target}.weight", data)
+            writer.add_tensor(f"{target}.{suffix}", data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

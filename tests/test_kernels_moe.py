@@ -1,6 +1,7 @@
 """The Triton fused-MoE kernel (kernels/triton/fused_moe.py) under the interpreter against
 kernels/reference.fused_moe: dense experts in fp32 and bf16 (loaded as bf16, computed in fp32
-as the interpreter must), 4-bit (u4) and 8-bit (s8) packed experts; and `align`, which gives
+as the interpreter must), 4-bit (u4) and 8-bit (s8) packed experts, each also with gpt-oss's
+biases and clamped SwiGLU; and `align`, which gives
 every tile one expert and pads each expert's run."""
 from __future__ import annotations
 
@@ -40,7 +41,10 @@ def test_align_gives_each_tile_one_expert():
 
 
 @pytest.mark.parametrize("form", ["fp32", "bf16", "u4", "s8"])
-def test_fused_moe_equals_the_reference(form):
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_fused_moe_equals_the_reference(form, gpt_oss):
+    """gpt_oss: with gate/up and down biases (in the GEMMs' epilogue), top-k-then-softmax
+    routing and the clamped SwiGLU."""
     from tritonserve.kernels.triton.fused_moe import fused_moe, takes
     x, gate_up, down, ids, weights = _case()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,8 +58,14 @@ def test_fused_moe_equals_the_reference(form):
         gate_up, down = (t.float() for t in stored)
         x = x.to(dtype)
     assert takes(*stored)
+    extras = ()
+    if gpt_oss:
+        g = torch.Generator().manual_seed(5)
+        extras = (torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g), 0.5, 1.702)
+        ids, weights = route(torch.randn(3, 4, generator=g), 2, False, softmax_last=True)
     got = fused_moe(x.to(device), ids.to(device), weights.to(device),
-                    *(s.to(device) for s in stored), 32)
-    want = reference.fused_moe(x.float(), gate_up, down, ids, weights)
+                    *(s.to(device) for s in stored), 32,
+                    *(e.to(device) if torch.is_tensor(e) else e for e in extras))
+    want = reference.fused_moe(x.float(), gate_up, down, ids, weights, *extras)
     tol = 3e-2 if form == "bf16" else 1e-4
     torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)

@@ -1,6 +1,6 @@
-"""Sliding windows and score soft-caps in the paged attention kernels (Triton decode and
-prefill, the C++ op) against reference.paged_attention_masked, and that reference against a
-dense attention with the mask written out. The pages wholly before a row's window hold NaN:
+"""Sliding windows, score soft-caps and attention sinks (gpt-oss) in the paged attention
+kernels (Triton decode and prefill, the C++ op) against reference.paged_attention_masked, and
+that reference against a dense attention with the mask and the sink written out. The pages wholly before a row's window hold NaN:
 a kernel that reads them fails."""
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ def poison_before(k_cache, v_cache, tables, seq_lens, q_lens, window, block_size
             v_cache[page] = POISON
 
 
-def dense(q, k_cache, v_cache, tables, cu, lens, scale, window, softcap):
-    """Each query row against every key of its sequence with the mask written out."""
+def dense(q, k_cache, v_cache, tables, cu, lens, scale, window, softcap, sinks=None):
+    """Each query row against every key of its sequence with the mask written out; a head's
+    sink as one more score whose value is zero."""
     out = torch.empty_like(q, dtype=torch.float32)
     group = q.shape[1] // k_cache.shape[2]
     for s, n in enumerate(lens.tolist()):
@@ -53,7 +54,10 @@ def dense(q, k_cache, v_cache, tables, cu, lens, scale, window, softcap):
                     scores = torch.tanh(scores / softcap) * softcap
                 pos = torch.arange(n)
                 mask = (pos <= p) & ((pos > p - window) if window else True)
-                weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), 0)
+                scores = scores.masked_fill(~mask, float("-inf"))
+                if sinks is not None:
+                    scores = torch.cat((scores, sinks[h].reshape(1).float()))
+                weights = torch.softmax(scores, 0)[:n]
                 out[i, h] = weights @ values[:, h // group]
     return out
 
@@ -71,6 +75,51 @@ def test_the_masked_reference_is_dense_attention_with_the_mask(window, softcap):
     if window is None and softcap is None:
         plain = reference.paged_prefill_attention(q, k, v, tables, cu, lens, 0.3)
         torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
+
+
+def _sinks(heads: int, device="cpu") -> torch.Tensor:
+    """Sink logits near the scores' range, so each moves its head's output."""
+    return (torch.randn(heads, generator=torch.Generator().manual_seed(11)) * 2).to(device)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_the_reference_takes_sinks_as_one_more_score(window):
+    seq_lens, q_lens = [37, 20, 64], [1, 9, 30]
+    q, k, v, tables, cu, lens = setup(seq_lens, 16, 16, 2, torch.float32, "cpu", 3, q_lens)
+    sinks = _sinks(q.shape[1])
+    expected = dense(q, k, v, tables, cu, lens, 0.3, window, None, sinks)
+    got = reference.paged_attention_masked(q, k, v, tables, cu, lens, 0.3, window, None, sinks)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    without = reference.paged_attention_masked(q, k, v, tables, cu, lens, 0.3, window)
+    assert (without - got).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("window,splits,dtype", [(None, 1, torch.float32), (20, 2, torch.float32),
+                                                 (None, 4, torch.bfloat16)])
+def test_triton_decode_takes_sinks(window, splits, dtype, device):
+    seq_lens = [130, 17, 40]
+    q, k, v, tables, cu, lens = setup(seq_lens, 16, 64, 2, dtype, device, 5)
+    sinks = _sinks(q.shape[1], device)
+    expected = reference.paged_attention_masked(q, k, v, tables, cu, lens, 0.1, window, None,
+                                                sinks)
+    got = kernels.paged_decode_attention(q, k, v, tables, lens, 0.1, num_splits=splits,
+                                         out=torch.full_like(q, POISON), window=window,
+                                         sinks=sinks)
+    close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("window,dtype", [(None, torch.float32), (12, torch.bfloat16)])
+def test_triton_prefill_takes_sinks(window, dtype, device):
+    shapes = [(40, 40), (7, 60)]
+    q_lens, seq_lens = [a for a, _ in shapes], [b for _, b in shapes]
+    q, k, v, tables, cu, lens = setup(seq_lens, 16, 64, 2, dtype, device, 7, q_lens)
+    sinks = _sinks(q.shape[1], device)
+    expected = reference.paged_attention_masked(q, k, v, tables, cu, lens, 0.2, window, None,
+                                                sinks)
+    got = kernels.paged_prefill_attention(q, k, v, tables, cu, lens, 0.2,
+                                          out=torch.full_like(q, POISON), tile=(32, 32),
+                                          window=window, sinks=sinks)
+    close(got, expected, dtype)
 
 
 DECODE = [  # (seq_lens, block_size, head_dim, group, dtype, window, softcap, splits)
@@ -137,4 +186,23 @@ def test_the_cpu_op_takes_the_window_and_softcap(dtype, window, softcap):
             poison_before(k, v, tables, seq_lens, [1] * 4, window, 16)
         for cached in (False, True):
             got = op(q, k, v, tables, lens, 0.15, cached, window or 0, softcap or 0.0)
+            close(got, expected, dtype)
+
+
+@pytest.mark.skipif(cpu.op("paged_decode_attention") is None, reason="no C++ CPU library")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_cpu_op_takes_sinks(dtype, window):
+    """Each head's sink logit in its softmax's denominator, decode and prefill rows, head
+    sizes 64 (the unrolled kernel) and 48 (any size); without a window the op leaves its
+    plain kernels for the portable one."""
+    op = cpu.op("paged_decode_attention")
+    for head_dim in (64, 48):
+        seq_lens = [40, 100, 5, 17]
+        q, k, v, tables, cu, lens = setup(seq_lens, 16, head_dim, 3, dtype, "cpu", 9)
+        sinks = _sinks(q.shape[1])
+        expected = reference.paged_attention_masked(q, k, v, tables, cu, lens, 0.15, window,
+                                                    None, sinks)
+        for cached in (False, True):
+            got = op(q, k, v, tables, lens, 0.15, cached, window or 0, 0.0, sinks)
             close(got, expected, dtype)

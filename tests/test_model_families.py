@@ -33,7 +33,7 @@ def test_every_file_in_families_is_a_registered_family():
     files = {p.stem for p in (ROOT / "tritonserve/engine/models/families").glob("*.py")
              if p.stem != "__init__"}
     assert files == {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "granite", "olmo2",
-                     "smollm3", "qwen3_moe", "mixtral", "olmoe"}
+                     "smollm3", "qwen3_moe", "mixtral", "olmoe", "gpt_oss"}
     assert set(FAMILIES) == files
     for family in FAMILIES.values():
         for arch in family.architectures:

@@ -79,6 +79,14 @@ FAMILY_SHAPES: dict[str, dict] = {
     "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2,
                                intermediate_size=64),
     "OlmoeForCausalLM": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    # gpt-oss: sliding (8 tokens) and full layers alternating, attention sinks, YaRN, biased
+    # router and experts, the clamped SwiGLU (a limit the random weights reach)
+    "GptOssForCausalLM": dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                              intermediate_size=32, num_hidden_layers=4, sliding_window=8,
+                              swiglu_limit=1.0, rope_parameters={
+                                  "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "truncate": False, "rope_theta": 1e4,
+                                  "original_max_position_embeddings": 128}),
 }
 
 
@@ -107,6 +115,7 @@ def write_tiny_model(folder: Path, architecture: str = "LlamaForCausalLM", seed:
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
         "MixtralForCausalLM": transformers.MixtralConfig,
         "OlmoeForCausalLM": transformers.OlmoeConfig,
+        "GptOssForCausalLM": transformers.GptOssConfig,
     }[architecture]
     common.update(FAMILY_SHAPES.get(architecture, {}))
     common.update(overrides)

@@ -70,22 +70,23 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                scale: float, window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]"""
         self.for_step().store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta, scale, window, softcap)
+        return self.attend(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, sinks: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """forward after its store: q [T, num_heads, head_dim] against the caches, which
         already hold this step's K/V. window: the layer's sliding window (a query at p sees
-        (p - window, p]), softcap: its score soft-cap; a step no key of which falls outside
-        the window runs the plain kernels."""
-        if softcap is not None or (window is not None and (self.takes_masks
-                                                           or reaches_past(meta, window))):
-            return self.masked(q, k_cache, v_cache, meta, scale, window, softcap)
+        (p - window, p]), softcap: its score soft-cap, sinks: each head's sink logit [H]
+        (gpt-oss); a step no key of which falls outside the window runs the plain kernels."""
+        if softcap is not None or sinks is not None or (
+                window is not None and (self.takes_masks or reaches_past(meta, window))):
+            return self.masked(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
         impl = self.for_step()
         return by_rows(
             q, meta,
@@ -96,8 +97,9 @@ class AttentionBackend:
                                       meta.prefill_max_q_len, scale))
 
     def masked(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               window: int | None, softcap: float | None) -> torch.Tensor:
-        """attend with a window or soft-cap: the decode rows and the prefill rows each
+               window: int | None, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """attend with a window, soft-cap or sinks: the decode rows and the prefill rows each
         through kernels/reference.py's paged_attention_masked (which skips the pages before
         the window), unless the backend has kernels that take them."""
         return by_rows(
@@ -105,10 +107,10 @@ class AttentionBackend:
             lambda rows: reference.paged_attention_masked(
                 rows, k_cache, v_cache, meta.decode_block_tables,
                 torch.arange(rows.shape[0] + 1, dtype=torch.int32, device=q.device),
-                meta.decode_seq_lens, scale, window, softcap),
+                meta.decode_seq_lens, scale, window, softcap, sinks),
             lambda rows: reference.paged_attention_masked(
                 rows, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                meta.prefill_seq_lens, scale, window, softcap))
+                meta.prefill_seq_lens, scale, window, softcap, sinks))
 
     def for_step(self) -> AttentionBackend:
         """Itself, eager (a registered op costs 8-20 us more a call, measured); while
@@ -268,14 +270,14 @@ class CpuAttention(TorchAttention):
         tables, lens = self._rows_of(block_tables, cu_seqlens_q, seq_lens)
         return self.cpu_decode(q, k_cache, v_cache, tables, lens, scale, cached=True)
 
-    def masked(self, q, k_cache, v_cache, meta, scale, window, softcap):
-        """The C++ op takes the window and the soft-cap (its portable kernel, which reads no
-        page before the window): decode rows, and prefill chunks as decode rows."""
+    def masked(self, q, k_cache, v_cache, meta, scale, window, softcap, sinks=None):
+        """The C++ op takes the window, the soft-cap and the sinks (its portable kernel, which
+        reads no page before the window): decode rows, and prefill chunks as decode rows."""
         nd = q.shape[0] if meta.num_decode_tokens is None else meta.num_decode_tokens
         if self.cpu_decode is None or (nd < q.shape[0]
                                        and meta.prefill_max_q_len > PREFILL_AS_DECODE_MAX):
-            return super().masked(q, k_cache, v_cache, meta, scale, window, softcap)
-        masks = (window or 0, softcap or 0.0)
+            return super().masked(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
+        masks = (window or 0, softcap or 0.0, sinks)
 
         def prefill(rows):
             tables, lens = self._rows_of(meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
@@ -319,17 +321,18 @@ class TritonAttention(AttentionBackend):
         return kernels.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                seq_lens, scale, max_q_len=max_q_len)
 
-    def masked(self, q, k_cache, v_cache, meta, scale, window, softcap):
-        """The kernels take the window and the soft-cap themselves."""
+    def masked(self, q, k_cache, v_cache, meta, scale, window, softcap, sinks=None):
+        """The kernels take the window, the soft-cap and the sinks themselves."""
         return by_rows(
             q, meta,
             lambda rows: kernels.paged_decode_attention(
                 rows, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
-                max_seq_len=meta.decode_max_seq_len, window=window, softcap=softcap),
+                max_seq_len=meta.decode_max_seq_len, window=window, softcap=softcap,
+                sinks=sinks),
             lambda rows: kernels.paged_prefill_attention(
                 rows, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
                 meta.prefill_seq_lens, scale, max_q_len=meta.prefill_max_q_len, window=window,
-                softcap=softcap))
+                softcap=softcap, sinks=sinks))
 
 
 BACKENDS = {"triton": TritonAttention, "cpu": CpuAttention, "torch": TorchAttention}

@@ -138,7 +138,8 @@ def masked_attention(arch: ModelArch) -> str | None:
     reasons = [r for r, odd in (
         (f"sliding windows of {window}", window is not None
          and window < arch.max_position_embeddings),
-        ("an attention soft-cap", arch.variant.attn_softcap is not None)) if odd]
+        ("an attention soft-cap", arch.variant.attn_softcap is not None),
+        ("attention sinks", arch.variant.sinks)) if odd]
     return ", ".join(reasons) or None
 
 

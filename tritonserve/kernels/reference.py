@@ -133,11 +133,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def paged_attention_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, window: int | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """paged_prefill_attention with a sliding window and a score soft-cap (Gemma 2 / 3,
     Mistral, Phi-3): query i of sequence s at position p sees the keys at positions
     (p - window, p] (window None: [0, p]); scores become softcap * tanh(s / softcap) before
     the softmax. Pages wholly before the window of the sequence's first query are not read.
+    sinks [num_heads] (gpt-oss): each head's sink logit joins its softmax as one more score
+    whose value is zero (transformers' eager_attention_forward for GptOss).
     A decode batch is this with one query a sequence (cu_seqlens_q = 0, 1, ..., B)."""
     group, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
     out = torch.empty_like(q)
@@ -161,7 +164,12 @@ def paged_attention_masked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if window:
             visible &= k_pos > q_pos - window
         scores = scores.masked_fill(~visible, float("-inf"))
-        attn = torch.softmax(scores, dim=-1) @ values  # [heads, q_len, d]
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        attn = probs @ values  # [heads, q_len, d]
         out[q_start:q_end] = attn.transpose(0, 1).to(q.dtype)
     return out
 
@@ -334,18 +342,36 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return tokens
 
 
+def swiglu_clamped(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of h [T, 2I] (gate, then up): g = min(gate, limit),
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) [T, I] (transformers'
+    GptOssExperts._apply_gate, over de-interleaved halves)."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
+
+
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-              weights: torch.Tensor) -> torch.Tensor:
+              weights: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+              down_bias: torch.Tensor | None = None, swiglu_limit: float = 0.0,
+              swiglu_alpha: float = 1.702) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H] (each expert's gate rows, then up rows), down [E, H, I];
     ids, weights [T, k] (each token's experts and their routing weights) -> [T, H] in x's
     dtype: sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t]), e = ids[t, j].
     Each expert's product in x's dtype, as transformers computes it; the weighted sum in fp32,
-    experts in index order."""
+    experts in index order. gpt-oss: biases [E, 2I] / [E, H] added to each expert's gate/up and
+    down, and swiglu_limit > 0 takes swiglu_clamped for silu * up."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
         token, slot = torch.where(ids == e)
-        h = silu_and_mul(x[token] @ gate_up[e].to(x.dtype).t())
+        h = x[token] @ gate_up[e].to(x.dtype).t()
+        if gate_up_bias is not None:
+            h = h + gate_up_bias[e].to(x.dtype)
+        h = swiglu_clamped(h, swiglu_limit, swiglu_alpha) if swiglu_limit > 0 \
+            else silu_and_mul(h)
         y = h @ down[e].to(x.dtype).t()
+        if down_bias is not None:
+            y = y + down_bias[e].to(x.dtype)
         out.index_add_(0, token, y.float() * weights[token, slot].float().unsqueeze(1))
     return out.to(x.dtype)
 

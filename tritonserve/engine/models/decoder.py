@@ -1,7 +1,7 @@
 """The generic decoder over a flattened token batch: Llama's layer, with each way a family
 differs read from its DecoderVariant (engine/models/family.py: norm placement, activation,
-q/k norms, qkv bias, a rope table per layer or none, attention windows, scale and soft-cap,
-residual, embedding and logit multipliers, tied head, logit soft-cap).
+q/k norms, qkv and o biases, a rope table per layer or none, attention windows, scale,
+soft-cap and sinks, residual, embedding and logit multipliers, tied head, logit soft-cap).
 
 Projections are fused: one qkv matmul and one gate/up matmul per layer.
 """
@@ -59,7 +59,9 @@ class Attention(nn.Module):
         self.softcap = variant.attn_softcap
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=arch.qkv_bias)
-        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=variant.o_bias)
+        # gpt-oss: each query head's sink logit (family.py: DecoderVariant.sinks)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if variant.sinks else None
         self.qk_norm = variant.qk_norm  # None, "head" or "full" (family.py)
         if self.qk_norm:
             full = self.qk_norm == "full"
@@ -73,7 +75,7 @@ class Attention(nn.Module):
         if ctx.lora is not None:
             ctx.lora.add(qkv, x, self.layer_index, "qkv")
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
-        masks = dict(window=self.window, softcap=self.softcap)
+        masks = dict(window=self.window, softcap=self.softcap, sinks=self.sinks)
         whole = rope is not None and rope[0].shape[-1] == self.head_dim
         fused = ctx.backend.rope_store(qkv, k_cache) if whole and not self.qk_norm else None
         if fused is not None:  # rope, the split and the cache write in one op

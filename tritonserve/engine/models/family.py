@@ -87,18 +87,32 @@ class Experts:
     torch.topk breaks them, as transformers does); normalize: the chosen weights divided by
     their sum (Mixtral always, Qwen3-MoE / OLMoE by norm_topk_prob). layers: which layers are
     sparse (() every one; a False layer keeps the dense MLP of intermediate_size: Qwen3-MoE's
-    mlp_only_layers and decoder_sparse_step)."""
+    mlp_only_layers and decoder_sparse_step).
+    gpt-oss's own: softmax_last (top-k of the raw logits, then a softmax over those k: its
+    TopKRouter), bias (the router and every expert's gate / up / down carry biases), and
+    swiglu_limit (the clamped SwiGLU: gate clamped above at the limit, up to [-limit, limit],
+    out = (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: silu(gate) * up)."""
 
     count: int
     top_k: int
     intermediate: int
     normalize: bool = True
     layers: tuple[bool, ...] = ()
+    softmax_last: bool = False
+    bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.count:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in [1, num_experts "
                              f"{self.count}]")
+
+    @property
+    def plain(self) -> bool:
+        """Routed and computed as Mixtral / Qwen3-MoE: what the C++ and Triton expert ops
+        take (the others run engine/models/moe.py's grouped_experts)."""
+        return not (self.bias or self.swiglu_limit is not None)
 
     def sparse(self, layer: int) -> bool:
         return self.layers[layer] if self.layers else True
@@ -145,7 +159,10 @@ class DecoderVariant:
     tied_head: the output layer is the embedding table. logit_scale: logits times this
       (Granite: 1 / logits_scaling); logit_softcap: then cap * tanh(logits / cap) (Gemma 2),
       None for none.
-    experts: the MLP is a mixture of experts (Experts; None: dense)."""
+    experts: the MLP is a mixture of experts (Experts; None: dense).
+    o_bias: the attention's output projection carries a bias (gpt-oss). sinks: each query
+      head has a learned sink logit that joins its softmax's denominator and weighs no value
+      (gpt-oss's attention sinks; the checkpoint's self_attn.sinks [num_heads])."""
 
     norm_placement: str = "pre"
     norm_offset: float = 0.0
@@ -163,6 +180,8 @@ class DecoderVariant:
     logit_scale: float = 1.0
     logit_softcap: float | None = None
     experts: Experts | None = None
+    o_bias: bool = False
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         checks = (("norm_placement", self.norm_placement, NORM_PLACEMENTS),
@@ -208,7 +227,9 @@ class DecoderVariant:
             ("an attention soft-cap", self.attn_softcap is not None),
             ("a residual multiplier", self.residual_scale != 1.0),
             ("an embedding scale", self.embedding_scale != 1.0),
-            ("mixture of experts", self.experts is not None)) if odd]
+            ("mixture of experts", self.experts is not None),
+            ("an output projection bias", self.o_bias),
+            ("attention sinks", self.sinks)) if odd]
         return ", ".join(differs) or None
 
 
@@ -255,6 +276,10 @@ class ModelFamily:
     # regular-expression substitutions over the names, after the renames (Mixtral's
     # block_sparse_moe.experts.E.w1 -> mlp.experts.E.gate_proj)
     checkpoint_subs: tuple[tuple[str, str], ...] = ()
+    # a checkpoint tensor (by its name after the subs) the family stores in its own layout ->
+    # the decoder's tensors by name, or None for one read as it is (gpt-oss's stacked,
+    # interleaved experts)
+    checkpoint_split: Callable[[str, object], list | None] | None = None
     # GGUF: the files' general.architecture -> the checkpoint architecture; gguf_config adds
     # the family's own metadata keys to a converted config.json (engine/models/gguf_convert.py,
     # which converts the families that have one; the others go through transformers' GGUF
@@ -265,6 +290,10 @@ class ModelFamily:
     # the file's expert tensors decide between families of one GGUF architecture (llama.cpp
     # writes Mixtral as `llama`): True for files with experts only, False without, None either
     gguf_experts: bool | None = None
+    # a converted file's stacked experts written as transformers 5's fused gate_up_proj /
+    # down_proj (moe.fused_experts); False keeps them stacked by projection (gpt-oss, whose
+    # checkpoint's own gate_up_proj is another layout)
+    gguf_fused_experts: bool = True
 
     def checkpoint_name(self, name: str) -> str | None:
         """A checkpoint tensor's name as the decoder's slots name it (None: not read)."""

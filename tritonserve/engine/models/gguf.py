@@ -4,7 +4,7 @@ the Hugging Face checkpoint names them. Config, tokenizer and the small tensors 
 embedding table for the lookup) come from the converted folder (engine/default_model.py).
 
 Served as blocks: Q8_0 and Q5_0 (s8: Q5_0's 5-bit codes less 16 fit an int8, exactly), Q4_0,
-Q4_1 and Q4_K (u4), Q6_K (s8h), Q5_1 and Q5_K (s8hm). Q4_K's 256-wide super block holds eight
+Q4_1 and Q4_K (u4), Q6_K (s8h), Q5_1 and Q5_K (s8hm), MXFP4 (s8, exactly: MXFP4_VALUES). Q4_K's 256-wide super block holds eight
 32-wide sub blocks of 4-bit codes, each with a 6-bit scale and min under the block's fp16 d
 and dmin: a sub block becomes one group with d * scale and -dmin * min rounded to fp16, the
 layout's (at most 2^-11 of the scale, against a 4-bit code's step of 1/15 of the range).
@@ -47,7 +47,13 @@ from .family import FAMILIES, LLAMA_GGUF_NAMES
 # GGML block types served as they are: (kind, block bytes, values a block)
 SERVED = {"Q8_0": ("s8", 34, 32), "Q5_0": ("s8", 22, 32), "Q4_0": ("u4", 18, 32),
           "Q4_1": ("u4", 20, 32), "Q4_K": ("u4", 144, 256), "Q6_K": ("s8h", 210, 256),
-          "Q5_1": ("s8hm", 24, 32), "Q5_K": ("s8hm", 176, 256)}
+          "Q5_1": ("s8hm", 24, 32), "Q5_K": ("s8hm", 176, 256), "MXFP4": ("s8", 17, 32)}
+# MXFP4 (gpt-oss's experts): 32 e2m1 codes under one e8m0 exponent. Doubled, the codes are
+# the integers below (gguf-py's MXFP4.kvalues) and the scale halved is a power of two, which
+# fp16 holds exactly from 2^-24 to 2^15: served as s8 blocks, exact, at 8.5 bits a weight
+# instead of the file's 4.25 (a native 4-bit kind for it is not built yet).
+MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
+                            dtype=torch.int16)
 DENSE = ("F32", "F16", "BF16")  # norms, biases: read through the converted folder
 
 
@@ -113,6 +119,13 @@ def parse_blocks(ggml_type: str, raw: np.ndarray, n: int, k: int) -> tuple:
     if ggml_type == "Q8_0":
         q = torch.from_numpy(blocks[:, :, 2:].copy().view(np.int8)).to(torch.int16)
         return d, q.reshape(n, k), None
+    if ggml_type == "MXFP4":  # e8m0 exponent e: the doubled codes' scale is 2^(e - 128)
+        e = torch.from_numpy(blocks[:, :, 0].astype(np.int32))
+        d = torch.pow(2.0, (e - 128).double()).float()
+        if float(d.max()) > 2.0 ** 15:
+            raise GGUFError(f"an MXFP4 block's scale 2^{int(e.max()) - 128} is past fp16's "
+                            f"range (s8 blocks hold at most 2^15)")
+        return d, MXFP4_VALUES[_nibbles(blocks[:, :, 1:]).long()].reshape(n, k), None
     if ggml_type == "Q5_0":  # 4 bytes of fifth bits (bit j: value j), 16 of nibbles
         high = torch.from_numpy(blocks[:, :, 2:6].copy().view(np.uint32)[..., 0].astype(
             np.int64))

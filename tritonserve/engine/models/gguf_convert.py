@@ -144,11 +144,15 @@ def tensor_names(family: ModelFamily, config: dict, gguf_arch: str) -> dict[str,
             stored = names.get_name(f"model.layers.{i}.mlp.experts.{proj}")
             if stored is not None:
                 out[f"{stored}.weight"] = stacked_name(i, proj)
+                out[f"{stored}.bias"] = stacked_name(i, proj)[:-len("weight")] + "bias"
     for hf in checkpoint_slots(model):
         base, _, suffix = hf.rpartition(".")
         stored = names.get_name(base)
         if stored is not None:
             out[f"{stored}.{suffix}"] = hf
+        elif names.get_name(hf) is not None:  # a parameter, not a module's (gpt-oss's sinks)
+            out[f"{names.get_name(hf)}.weight"] = hf
+            out[names.get_name(hf)] = hf
     return out
 
 
@@ -187,7 +191,8 @@ def convert(gguf_file: Path, work: Path) -> None:
         if family.gguf_norm_shift and name.endswith("norm.weight"):
             weight = weight - family.gguf_norm_shift
         state[name] = weight.contiguous()
-    state = fused_experts(state)
+    if family.gguf_fused_experts:
+        state = fused_experts(state)
     save_file(state, str(work / "model.safetensors"), metadata={"format": "pt"})
     (work / "config.json").write_text(json.dumps(config, indent=2))
     (work / "generation_config.json").write_text(json.dumps(

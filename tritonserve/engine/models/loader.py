@@ -66,6 +66,10 @@ def checkpoint_slots(model: DecoderForCausalLM) -> dict[str, WeightSlot]:
             for name, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
                 slots[f"{p}self_attn.{name}_proj.{suffix}"] = WeightSlot(qkv, start, rows, 0)
         whole(f"{p}self_attn.o_proj.weight", attn.o_proj.weight, split=1)
+        if arch.variant.o_bias:
+            whole(f"{p}self_attn.o_proj.bias", attn.o_proj.bias)
+        if arch.variant.sinks:
+            whole(f"{p}self_attn.sinks", attn.sinks, split=0)
         if arch.qk_norm:
             whole(f"{p}self_attn.q_norm.weight", attn.q_norm.weight)
             whole(f"{p}self_attn.k_norm.weight", attn.k_norm.weight)
@@ -171,6 +175,12 @@ def load_weights(model: DecoderForCausalLM, folder: str | Path,
                     continue  # a substituted weight's compressed parts
                 if name == "lm_head.weight" and model.arch.tie_word_embeddings:
                     continue  # tied: the embedding is the head
+                if family.checkpoint_split is not None and name not in slots:
+                    parts = family.checkpoint_split(name, f.get_tensor(stored))
+                    if parts is not None:
+                        for part, tensor in parts:
+                            put(part, tensor)
+                        continue
                 if name not in slots:
                     if later and is_stacked(name):
                         continue  # left for its blocks, not read

@@ -76,10 +76,12 @@ OPS: tuple[tuple[str, object, str], ...] = (
     ("paged_decode_attention",
      lambda q, *args, **kwargs: torch.empty_like(q, memory_format=torch.contiguous_format),
      "(q, k_cache, v_cache, block_tables, seq_lens, scale, cached=False, window=0, "
-     "softcap=0.0) -> out, the contract of reference.paged_decode_attention; cached=True: the "
+     "softcap=0.0, sinks=None) -> out, the contract of reference.paged_decode_attention; "
+     "cached=True: the "
      "pages were just written (prefill rows), the bf16 kernel takes the schedule faster on "
      "cached data (paged_decode_bf16.h); window > 0 / softcap > 0: those of "
-     "reference.paged_attention_masked, pages before the window not read"),
+     "reference.paged_attention_masked, pages before the window not read; sinks [H]: its "
+     "sink logits (gpt-oss)"),
     ("add_rms_norm", lambda *args: None,
      "(x, residual, weight, eps): reference.add_rms_norm in place (fused_ops.cpp)"),
     ("silu_and_mul", _fake(lambda x: (x.shape[0], x.shape[1] // 2)),
@@ -110,7 +112,8 @@ OPS: tuple[tuple[str, object, str], ...] = (
      "(linear_quant.cpp)"),
     ("moe_experts", _fake(lambda x, *args: x.shape),
      "(x [T, H] fp32 or bf16, ids [T, k] int64, weights [T, k] fp32, gate_up [E, ...], "
-     "down [E, ...], I) -> reference.fused_moe's [T, H], each expert's weights in any form of "
+     "down [E, ...], I, gate_up_bias=None, down_bias=None, swiglu_limit=0.0, swiglu_alpha="
+     "1.702) -> reference.fused_moe's [T, H], each expert's weights in any form of "
      "engine/models/linear.py, the rows grouped by expert: an expert no row chose is not read "
      "(moe.cpp)"),
     ("decode_layers",

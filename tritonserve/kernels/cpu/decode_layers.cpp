@@ -301,7 +301,7 @@ struct Team {
     if (st.int8_kv) {
       st.int8_attend(q_b, st.k8[l], st.v8[l], it.table, it.len, st.block_size, st.kv_heads, D,
                      st.group, it.h0, it.h1, scale, att_b, D, D, false, 0, 0.0f, it.p0, it.p1,
-                     it.partial);
+                     it.partial, nullptr);
       return;
     }
     const T* kc = st.k_p[l];
@@ -314,7 +314,7 @@ struct Team {
     } else {
       st.fp32_attend(q_b, kc, vc, it.table, it.len, st.block_size, st.kv_heads, D, st.group,
                      it.h0, it.h1, scale, att_b, D, D, false, 0, 0.0f, it.p0, it.p1,
-                     it.partial);
+                     it.partial, nullptr);
     }
   }
 };

@@ -1,7 +1,10 @@
 // The mixture-of-experts MLP's experts for the CPU, one call a layer:
 //   moe_experts(x [T, H] fp32 or bf16, ids [T, k] int64, weights [T, k] fp32,
-//               gate_up [E, ...], down [E, ...], I) -> [T, H] in x's dtype
+//               gate_up [E, ...], down [E, ...], I, gate_up_bias [E, 2I]?, down_bias [E, H]?,
+//               swiglu_limit, swiglu_alpha) -> [T, H] in x's dtype
 // = sum over j of weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t]), e = ids[t, j]
+// Optional, for gpt-oss: fp32 biases added to each expert's gate/up and down, and with
+// swiglu_limit > 0 the clamped SwiGLU in place of silu * up (Activation below).
 // (kernels/reference.py: fused_moe). gate_up[e] / down[e] is expert e's weight in any form of
 // engine/models/linear.py: quantized panels (packed_linear_quant), fp32 or bf16 panels
 // (packed_linear, packed_linear_bf16) or plain [N, K].
@@ -18,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -69,6 +73,28 @@ struct Groups {
   int64_t rows() const { return at.back(); }
 };
 
+// An expert's activation of one row's gate/up h [2I] (gate then up) into act [I], its gate/up
+// bias (nullptr: none) added first: silu(gate) * up, or with limit > 0 gpt-oss's clamped
+// SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+// (transformers' GptOssExperts._apply_gate).
+struct Activation {
+  float limit, alpha;
+
+  void operator()(const float* h, const float* bias, int64_t inter, float* act) const {
+    for (int64_t c = 0; c < inter; ++c) {
+      float gate = h[c], up = h[inter + c];
+      if (bias != nullptr) gate += bias[c], up += bias[inter + c];
+      if (limit > 0.f) {
+        gate = std::min(gate, limit);
+        up = std::min(std::max(up, -limit), limit);
+        act[c] = (up + 1.f) * gate / (1.f + std::exp(-alpha * gate));
+      } else {
+        act[c] = gate / (1.f + std::exp(-gate)) * up;
+      }
+    }
+  }
+};
+
 // fp32 x and quantized or fp32-panel experts: every chosen expert's gate/up in one parallel
 // region (its panels split over the threads as one matmul's are: owned_panels.h), silu * up,
 // then every expert's down in one more, instead of two regions an expert. One stacked kind a
@@ -77,6 +103,9 @@ struct Fp32Experts {
   const at::Tensor& gate_up;
   const at::Tensor& down;
   int64_t inter, hidden;
+  const float* gate_up_bias;  // [E, 2I] or nullptr
+  const float* down_bias;     // [E, H] or nullptr
+  Activation activation;
 
   bool quant() const { return gate_up.scalar_type() == torch::kUInt8; }
 
@@ -116,12 +145,19 @@ struct Fp32Experts {
     const int64_t R = g.rows();
     std::vector<float> h(R * 2 * inter), act(R * inter), y(R * hidden);
     product(g, xg, hidden, gate_up, 2 * inter, h.data());
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < inter; ++c) {
-        const float gate = h[r * 2 * inter + c], up = h[r * 2 * inter + inter + c];
-        act[r * inter + c] = gate / (1.f + std::exp(-gate)) * up;
-      }
+    for (size_t j = 0; j < g.expert.size(); ++j) {
+      const int64_t e = g.expert[j];
+      for (int64_t r = g.at[j]; r < g.at[j + 1]; ++r)
+        activation(h.data() + r * 2 * inter,
+                   gate_up_bias != nullptr ? gate_up_bias + e * 2 * inter : nullptr, inter,
+                   act.data() + r * inter);
+    }
     product(g, act.data(), inter, down, hidden, y.data());
+    if (down_bias != nullptr)
+      for (size_t j = 0; j < g.expert.size(); ++j)
+        for (int64_t r = g.at[j]; r < g.at[j + 1]; ++r)
+          for (int64_t c = 0; c < hidden; ++c)
+            y[r * hidden + c] += down_bias[g.expert[j] * hidden + c];
     return y;
   }
 };
@@ -136,7 +172,10 @@ bool batched_form(const at::Tensor& x, const at::Tensor& w, int64_t K) {
 }
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
-                       const at::Tensor& gate_up, const at::Tensor& down, int64_t inter) {
+                       const at::Tensor& gate_up, const at::Tensor& down, int64_t inter,
+                       const c10::optional<at::Tensor>& gate_up_bias,
+                       const c10::optional<at::Tensor>& down_bias, double swiglu_limit,
+                       double swiglu_alpha) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
               "moe_experts: x must be a contiguous float32 or bfloat16 [T, H] matrix");
@@ -146,6 +185,19 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
               "moe_experts: weights must be float32 [T, k]");
   const int64_t T = x.size(0), H = x.size(1), k = ids.size(1), E = gate_up.size(0);
   TORCH_CHECK(down.size(0) == E, "moe_experts: gate_up and down hold different expert counts");
+  // the biases in fp32, contiguous (a no-op for the engine's, stored so at load)
+  auto fp32 = [&](const c10::optional<at::Tensor>& b, int64_t cols, const char* name) {
+    if (!b.has_value() || !b->defined()) return at::Tensor();
+    TORCH_CHECK(b->dim() == 2 && b->size(0) == E && b->size(1) == cols, "moe_experts: ", name,
+                " must be [", E, ", ", cols, "]");
+    return b->to(torch::kFloat32).contiguous();
+  };
+  const at::Tensor gu_b = fp32(gate_up_bias, 2 * inter, "gate_up_bias");
+  const at::Tensor d_b = fp32(down_bias, H, "down_bias");
+  const float* gu_bp = gu_b.defined() ? gu_b.data_ptr<float>() : nullptr;
+  const float* d_bp = d_b.defined() ? d_b.data_ptr<float>() : nullptr;
+  const Activation activation{static_cast<float>(swiglu_limit),
+                              static_cast<float>(swiglu_alpha)};
   auto out = torch::zeros({T, H}, x.options().dtype(torch::kFloat32));
   if (T == 0) return out.to(x.scalar_type());
   const auto ids_c = ids.contiguous();
@@ -178,7 +230,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     const float* xp = x.data_ptr<float>();
     for (int64_t i = 0; i < T * k; ++i)
       std::memcpy(xg.data() + i * H, xp + order[i] / k * H, H * sizeof(float));
-    const auto y = Fp32Experts{gate_up, down, inter, H}.run(g, xg.data());
+    const auto y = Fp32Experts{gate_up, down, inter, H, gu_bp, d_bp, activation}.run(
+        g, xg.data());
     for (int64_t i = 0; i < T * k; ++i) {  // experts in index order, as the reference sums
       const float w = wp[order[i]];
       float* dst = op + order[i] / k * H;
@@ -196,9 +249,21 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     g_bytes_read += gate_up[e].nbytes() + down[e].nbytes();
     const at::Tensor xe = n == T && T == 1 ? x : x.index_select(0, rows);
     const at::Tensor h = expert_linear(xe, gate_up[e], 2 * inter);
-    const at::Tensor act = at::silu(h.narrow(1, 0, inter)) * h.narrow(1, inter, inter);
-    const at::Tensor y = expert_linear(act.contiguous(), down[e], H).to(torch::kFloat32)
-                             .contiguous();
+    at::Tensor act;
+    if (gu_bp == nullptr && activation.limit <= 0.f) {
+      act = at::silu(h.narrow(1, 0, inter)) * h.narrow(1, inter, inter);
+    } else {  // in fp32, then back to the matmul's dtype
+      const at::Tensor hf = h.to(torch::kFloat32).contiguous();
+      at::Tensor af = torch::empty({n, inter}, hf.options());
+      for (int64_t r = 0; r < n; ++r)
+        activation(hf.data_ptr<float>() + r * 2 * inter,
+                   gu_bp != nullptr ? gu_bp + e * 2 * inter : nullptr, inter,
+                   af.data_ptr<float>() + r * inter);
+      act = af.to(h.scalar_type());
+    }
+    at::Tensor y = expert_linear(act.contiguous(), down[e], H).to(torch::kFloat32)
+                       .contiguous();
+    if (d_bp != nullptr) y += d_b[e];
     const float* yp = y.data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) {
       const float w = wp[order[start[e] + r]];
@@ -214,7 +279,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(tritonserve, m) {
   m.def("moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor gate_up, Tensor down, "
-        "int inter) -> Tensor");
+        "int inter, Tensor? gate_up_bias=None, Tensor? down_bias=None, "
+        "float swiglu_limit=0.0, float swiglu_alpha=1.702) -> Tensor");
   m.def("moe_bytes_read(bool reset) -> int", &moe_bytes_read);
 }
 

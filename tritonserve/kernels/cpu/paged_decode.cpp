@@ -21,7 +21,8 @@
 // row seeing its last `window` tokens, the pages before them not read) and `softcap` (> 0:
 // Gemma 2's score soft-cap) run the portable path in every dtype, as does an int8 cache
 // (rows of head_dim codes + an fp32 scale: --kv-cache-dtype int8), its codes converted in
-// registers (page_group.h).
+// registers (page_group.h), and so do `sinks` (fp32 [heads]: gpt-oss's sink logits, each in
+// its head's softmax denominator).
 // Registered as torch.ops.tritonserve.paged_decode_attention (CPU); kernels/cpu/__init__.py
 // builds it and registers the fake (shape-only) implementation torch.compile traces with.
 #include <torch/extension.h>
@@ -48,7 +49,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& v_cache,
                                      const torch::Tensor& block_tables,
                                      const torch::Tensor& seq_lens, double scale,
-                                     bool cached, int64_t window, double softcap) {
+                                     bool cached, int64_t window, double softcap,
+                                     const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "q [B, H, D] and caches [blocks, block_size, kv_heads, D] expected");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -75,7 +77,14 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   // no lengths on the host)
   int32_t longest = 0;
   for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, len_ptr[b]);
-  const bool plain = (window <= 0 || longest <= window) && softcap <= 0.0;
+  torch::Tensor sinks_f;  // fp32 [heads], or undefined
+  if (sinks.has_value() && sinks->defined()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == heads, "sinks must be [heads]");
+    sinks_f = sinks->to(torch::kFloat32).contiguous();
+  }
+  const float* sink_ptr = sinks_f.defined() ? sinks_f.data_ptr<float>() : nullptr;
+  const bool plain = (window <= 0 || longest <= window) && softcap <= 0.0 &&
+                     sink_ptr == nullptr;
   // a call of one or two sequences splits their pages into parts (page_sweep.h's Items):
   // the bf16 streaming kernel's and the portable one's; not for prefill rows (`cached`), a
   // window or a soft-cap
@@ -140,7 +149,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
       one(q_ptr + b * q_seq_stride, k_ptr, v_ptr, it.table, it.len,
           block_size, kv_heads, head_dim, group, it.h0, it.h1,
           static_cast<float>(scale), out_ptr + b * heads * head_dim, q_head_stride, head_dim,
-          cached, plain ? 0 : window, static_cast<float>(softcap), it.p0, it.p1, it.partial);
+          cached, plain ? 0 : window, static_cast<float>(softcap), it.p0, it.p1, it.partial,
+          sink_ptr);
     });
     if (work.parts > 1)
       at::parallel_for(0, batch * heads, 1, [&](int64_t r0, int64_t r1) {
@@ -168,7 +178,8 @@ TORCH_LIBRARY(tritonserve, m) {
   // the library's ISA levels (isa.h), comma-separated: what Python's choices ask
   m.def("isa_levels() -> str", &isa_levels);
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, bool cached=False, int window=0, float softcap=0.0) "
+        "Tensor seq_lens, float scale, bool cached=False, int window=0, float softcap=0.0, "
+        "Tensor? sinks=None) "
         "-> Tensor");
 }
 

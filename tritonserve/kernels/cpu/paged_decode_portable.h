@@ -94,7 +94,9 @@ inline const float* page_as_float(const T* page, float* buffer, int64_t n, int64
 // softcap * tanh(s / softcap) before the softmax (Gemma 2). Pages [page_from, page_to) only
 // (a part of a split sequence, page_sweep.h's Items); partial != nullptr: the part's
 // unnormalised sums go there for merge_parts (query head h at partial + h * (D + 2): acc,
-// m, l; page_sweep.h's merge_parts), out is not written.
+// m, l; page_sweep.h's merge_parts), out is not written. sinks != nullptr: query head i's
+// sink logit sinks[i] joins the softmax's denominator (exp(sink - max) beside the scores'
+// sum) and weighs no value: gpt-oss's attention sinks (never with partial).
 // cache_t: the cache's element type, scalar_t's by default; int8_t: rows of codes + scale
 // (kScaleBytes), read as codes with the scale applied to scores and weights (grouped), or
 // dequantized a page at a time into fp32 like a bf16 page (HD == 0).
@@ -105,7 +107,7 @@ void decode_seq(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cach
                 float scale, scalar_t* out, int64_t q_head_stride, int64_t out_head_stride,
                 bool cached, int64_t window, float softcap, int64_t page_from = 0,
                 int64_t page_to = std::numeric_limits<int64_t>::max(),
-                float* partial = nullptr) {
+                float* partial = nullptr, const float* sinks = nullptr) {
   const int64_t head_dim = HD > 0 ? HD : head_dim_arg;
   const int64_t heads = (h1 - h0) * group;  // the query heads of kv heads [h0, h1)
   const int64_t head_row = head_dim + kScaleBytes<cache_t>;  // a KV head's cache elements
@@ -238,7 +240,8 @@ void decode_seq(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cach
   }
   for (int64_t h = 0; h < heads; ++h) {
     scalar_t* oh = out + (h0 * group + h) * out_head_stride;
-    const float inv = 1.0f / l[h];
+    const float sink = sinks != nullptr ? std::exp(sinks[h0 * group + h] - m[h]) : 0.0f;
+    const float inv = 1.0f / (l[h] + sink);
     for (int64_t d = 0; d < head_dim; ++d) oh[d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv);
   }
 }

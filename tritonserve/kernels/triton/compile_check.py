@@ -59,9 +59,10 @@ def variants():
         cache = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}",
                  "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": f"*{dtype}",
                  "cu_seqlens_q_ptr": "*i32", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32",
-                 "part_sum_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+                 "part_sum_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+                 "sinks_ptr": "*fp32"}
         masks = {"scale": "fp32", "window": "i32", "softcap": "fp32"}
-        # the last shape also with a window and a soft-cap (Gemma 2 / 3)
+        # the last shape also with a window, a soft-cap (Gemma 2 / 3) and sinks (gpt-oss)
         for splits, head_dim, group, block, masked in (
                 (1, 128, 4, 16, False), (4, 128, 8, 32, False), (2, 96, 1, 16, False),
                 (1, 64, 4, 32, False), (MAX_SPLITS, 128, 4, 16, False), (2, 256, 4, 16, True)):
@@ -72,7 +73,8 @@ def variants():
                         BLOCK_G=max(16, triton.next_power_of_2(group)),
                         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block,
                         TILE_N=max(block, 32 if fp32 else 64), NUM_SPLITS=splits, FP32=fp32,
-                        PRECISION=precision, WINDOWED=masked, SOFTCAPPED=masked, INT8=False), {})
+                        PRECISION=precision, WINDOWED=masked, SOFTCAPPED=masked, INT8=False,
+                        SINKS=masked), {})
         # every tuned config in bf16; fp16 is the same code with another element type, so one
         # config there (each 128-row variant costs ptxas 4-8 s: CI time)
         space = tuning_space(fp32) if dtype != "fp16" else tuning_space(fp32)[:1]
@@ -87,11 +89,12 @@ def variants():
                         BLOCK_G=triton.next_power_of_2(group),
                         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block,
                         FP32=fp32, PRECISION=precision, BLOCK_M=rows, TILE_N=keys,
-                        WINDOWED=masked, SOFTCAPPED=masked, INT8=False),
+                        WINDOWED=masked, SOFTCAPPED=masked, INT8=False, SINKS=masked),
                    {"num_warps": warps, "num_stages": stages})
         for splits in (4, MAX_SPLITS):
             yield (f"merge splits{splits} -> {dtype}", _merge_splits_kernel, cache, {},
-                   dict(NUM_HEADS=32, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=splits), {})
+                   dict(NUM_HEADS=32, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=splits,
+                        SINKS=splits == MAX_SPLITS), {})
         yield (f"store_kv_cache {dtype}", _store_kv_kernel,
                {"k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}",
                 "v_cache_ptr": f"*{dtype}", "slot_ptr": "*i64"}, {},
@@ -101,19 +104,20 @@ def variants():
     int8_cache = {"q_ptr": "*bf16", "k_cache_ptr": "*i8", "v_cache_ptr": "*i8",
                   "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "block_tables_ptr": "*i32",
                   "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "cu_seqlens_q_ptr": "*i32",
-                  "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
+                  "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+                  "sinks_ptr": "*fp32"}
     masks = {"scale": "fp32", "window": "i32", "softcap": "fp32"}
     for splits in (1, 4):
         yield (f"decode bf16 int8-cache d128 g4 bs16 splits{splits}", _decode_kernel,
                int8_cache, masks,
                dict(NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, BLOCK_G=16, BLOCK_D=128,
                     BLOCK_SIZE=16, TILE_N=64, NUM_SPLITS=splits, FP32=True, PRECISION="tf32",
-                    WINDOWED=False, SOFTCAPPED=False, INT8=True), {})
+                    WINDOWED=False, SOFTCAPPED=False, INT8=True, SINKS=False), {})
     rows, keys, warps, stages = tuning_space(True)[0]
     yield ("prefill bf16 int8-cache g4 d128 bs16", _prefill_kernel, int8_cache, masks,
            dict(GROUP=4, HEAD_DIM=128, BLOCK_G=4, BLOCK_D=128, BLOCK_SIZE=16, FP32=True,
                 PRECISION="tf32", BLOCK_M=rows, TILE_N=keys, WINDOWED=False, SOFTCAPPED=False,
-                INT8=True), {"num_warps": warps, "num_stages": stages})
+                INT8=True, SINKS=False), {"num_warps": warps, "num_stages": stages})
     yield ("store_kv_cache bf16 -> int8", _store_kv_int8_kernel,
            {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*i8", "v_cache_ptr": "*i8",
             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "slot_ptr": "*i64"}, {},
@@ -139,8 +143,10 @@ def variants():
                        {"a_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "w8_ptr": "*i8",
                         "w16_ptr": "*fp16", "w32_ptr": "*i32",
                         "out_ptr": "*fp32" if weighted else f"*{dtype}", "rows_ptr": "*i64",
-                        "tile_expert_ptr": "*i64", "weights_ptr": "*fp32"},
-                       {}, dict(**args, A_DIVISOR=divisor, MUL_WEIGHT=weighted,
+                        "tile_expert_ptr": "*i64", "weights_ptr": "*fp32",
+                        "bias_ptr": "*fp32"},
+                       # the down GEMM with gpt-oss's expert biases in its epilogue
+                       {}, dict(**args, A_DIVISOR=divisor, MUL_WEIGHT=weighted, BIAS=weighted,
                                 BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32, FP32=False,
                                 PRECISION="tf32"), {})
     for dtype in ("bf16", "fp16"):  # LoRA's shrink and expand (punica's BGMV shape)

@@ -29,13 +29,13 @@ MAX_SPLITS = 64  # a power of two: the merge kernel reads the splits as one tl.a
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
                    seq_lens_ptr,
                    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale, window, softcap,
-                   stride_qs, stride_qh, stride_bts, stride_cb, stride_ct, stride_ch,
+                   sinks_ptr, stride_qs, stride_qh, stride_bts, stride_cb, stride_ct, stride_ch,
                    stride_os, stride_oh,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32: tl.constexpr,
                    PRECISION: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr,
-                   INT8: tl.constexpr):
+                   INT8: tl.constexpr, SINKS: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -77,6 +77,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
         m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
 
     if NUM_SPLITS == 1:
+        if SINKS:  # each head's sink logit in the denominator, weighing no value
+            l_i += tl.exp(tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) - m_i)
         out = acc / l_i[:, None]
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
@@ -90,10 +92,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bl
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+def _merge_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, sinks_ptr,
                          stride_os, stride_oh, NUM_HEADS: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, SINKS: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, NUM_SPLITS)
@@ -105,6 +107,8 @@ def _merge_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     global_max = tl.max(maxes, axis=0)
     weights = tl.exp(maxes - global_max)  # empty splits have max -inf -> weight 0
     total = tl.sum(weights * sums, axis=0)
+    if SINKS:
+        total += tl.exp(tl.load(sinks_ptr + head) - global_max)
     out = tl.sum(accs * weights[:, None], axis=0) / total
     tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
@@ -131,11 +135,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, max_seq_len: int | None = None,
                            out: torch.Tensor | None = None, window: int | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_seqs, num_heads, head_dim] -> out of the same shape. num_splits overrides the
     heuristic (a power of two); max_seq_len avoids reading seq_lens back from the device.
-    window / softcap: reference.paged_attention_masked's (the tiles before the window are
-    not read)."""
+    window / softcap / sinks: reference.paged_attention_masked's (the tiles before the
+    window are not read)."""
     block_size, num_kv_heads, group = attention_shapes(q, k_cache, v_cache)
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -151,6 +156,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     block_d = triton.next_power_of_2(head_dim)
     int8, k_scale, v_scale = int8_scales(k_cache, v_cache)
+    sinks_arg = q if sinks is None else sinks.float().contiguous()  # q: an unread pointer
     if num_splits > 1:
         rows = num_seqs * num_heads * num_splits
         part_acc = torch.empty(rows, block_d, dtype=torch.float32, device=q.device)
@@ -161,16 +167,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, out, part_acc, part_max,
         part_sum, scale,
-        window or 0, softcap or 0.0, q.stride(0), q.stride(1), block_tables.stride(0),
+        window or 0, softcap or 0.0, sinks_arg, q.stride(0), q.stride(1),
+        block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_SIZE=block_size, TILE_N=tile_tokens(block_size, q.dtype),
         NUM_SPLITS=num_splits, FP32=compute_in_fp32(q.dtype) or int8,
         PRECISION=dot_precision(q.dtype), WINDOWED=bool(window), SOFTCAPPED=bool(softcap),
-        INT8=int8)
+        INT8=int8, SINKS=sinks is not None)
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits)
+            part_acc, part_max, part_sum, out, sinks_arg, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            SINKS=sinks is not None)
     return out

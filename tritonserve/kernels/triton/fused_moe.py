@@ -5,9 +5,10 @@
    all use one expert's weights, so a program reads one expert's tile of weights and an
    expert no token chose is read by no program.
 2. gate/up: [T k, 2I] = x[token] @ gate_up[e]^T, one launch over (tiles, 2I / BLOCK_N).
-3. silu(gate) * up (fused_elementwise's silu_and_mul).
+3. silu(gate) * up (fused_elementwise's silu_and_mul; gpt-oss's clamped SwiGLU in torch).
 4. down: [T k, H] = h @ down[e]^T, one launch, each row times its routing weight in the
    kernel's epilogue; then the k rows of a token summed.
+gpt-oss's expert biases are added in each GEMM's epilogue (BIAS).
 
 The experts are bf16 / fp16 / fp32 [E, N, K] or the packed quantized layout the CPU reads
 (kernels/quant_layout.py: w4a16 u4, w8a16 s8, and the GGUF kinds s8h / s8hm), stacked
@@ -21,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tritonserve.kernels import quant_layout
+from tritonserve.kernels import quant_layout, reference
 
 from ._common import compute_in_fp32, dot_precision
 from .fused_elementwise import silu_and_mul
@@ -53,13 +54,15 @@ def align(ids: torch.Tensor, experts: int, block_m: int
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, w8_ptr, w16_ptr, w32_ptr, out_ptr, rows_ptr, tile_expert_ptr,
-                     weights_ptr, N, K, valid, stride_am, stride_we, stride_wn, stride_wk,
-                     expert_bytes, A_DIVISOR: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                     weights_ptr, bias_ptr, N, K, valid, stride_am, stride_we, stride_wn,
+                     stride_wk, expert_bytes, A_DIVISOR: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                     BIAS: tl.constexpr,
                      KIND: tl.constexpr, RECORD: tl.constexpr, CODES_AT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """out[r] = a[r // A_DIVISOR] @ w[e]^T (times weights[r]) for the rows r of one expert
-    tile; KIND -1: dense w [E, N, K], else a quant_layout kind (its id)."""
+    """out[r] = (a[r // A_DIVISOR] @ w[e]^T + bias[e]) (times weights[r]) for the rows r of
+    one expert tile; KIND -1: dense w [E, N, K], else a quant_layout kind (its id); BIAS: an
+    fp32 bias [E, N]."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -96,6 +99,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, w8_ptr, w16_ptr, w32_ptr, out_ptr, rows_ptr, 
                 acc += tl.dot(a.to(tl.float32), w, input_precision=PRECISION)
             else:
                 acc += tl.dot(a, w.to(a.dtype))
+    if BIAS:
+        acc += tl.load(bias_ptr + expert * N + offs_n, mask=n_ok, other=0.0)[None, :]
     if MUL_WEIGHT:
         acc *= tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + offs_n[None, :],
@@ -115,7 +120,8 @@ def block_m_for(tokens: int, top_k: int, experts: int) -> int:
     return 16 if tokens * top_k <= 4 * experts * 16 else 64
 
 
-def _gemm(a, w, rows, tile_expert, weights, n, valid, divisor, block_m, out_dtype):
+def _gemm(a, w, rows, tile_expert, weights, n, valid, divisor, block_m, out_dtype,
+          bias=None):
     k = a.shape[1]
     out = torch.zeros((valid, n), dtype=out_dtype, device=a.device)
     kind = quant_layout.kind_of(w[0]) if w.dim() == 4 else None
@@ -125,19 +131,23 @@ def _gemm(a, w, rows, tile_expert, weights, n, valid, divisor, block_m, out_dtyp
     dense = kind is None
     _moe_gemm_kernel[grid](
         a, w, w.view(torch.int8) if not dense else a, w.view(torch.float16) if not dense else a,
-        w.view(torch.int32) if not dense else a, out, rows, tile_expert, weights, n, k, valid,
+        w.view(torch.int32) if not dense else a, out, rows, tile_expert, weights,
+        a if bias is None else bias.float().contiguous(), n, k, valid,
         a.stride(0), w.stride(0) if dense else 0, w.stride(1) if dense else 0,
         w.stride(2) if dense else 0, 0 if dense else w[0].numel(),
-        A_DIVISOR=divisor, MUL_WEIGHT=weights is not None, **args, BLOCK_M=block_m,
+        A_DIVISOR=divisor, MUL_WEIGHT=weights is not None, BIAS=bias is not None, **args,
+        BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=32 if not dense else BLOCK_K_DENSE,
         FP32=compute_in_fp32(a.dtype), PRECISION=dot_precision(a.dtype))
     return out
 
 
 def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-              gate_up: torch.Tensor, down: torch.Tensor, inter: int) -> torch.Tensor:
-    """x [T, H], ids / weights [T, k], stacked experts (`takes`) -> [T, H] in x's dtype:
-    reference.fused_moe."""
+              gate_up: torch.Tensor, down: torch.Tensor, inter: int,
+              gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+              swiglu_limit: float = 0.0, swiglu_alpha: float = 1.702) -> torch.Tensor:
+    """x [T, H], ids / weights [T, k], stacked experts (`takes`), gpt-oss's biases and
+    SwiGLU limit -> [T, H] in x's dtype: reference.fused_moe."""
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     if tokens == 0:
@@ -146,9 +156,11 @@ def fused_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     block_m = block_m_for(tokens, top_k, gate_up.shape[0])
     rows, tile_expert = align(ids, gate_up.shape[0], block_m)
     valid = tokens * top_k
-    h = _gemm(x, gate_up, rows, tile_expert, None, 2 * inter, valid, top_k, block_m, x.dtype)
-    act = silu_and_mul(h)
+    h = _gemm(x, gate_up, rows, tile_expert, None, 2 * inter, valid, top_k, block_m, x.dtype,
+              gate_up_bias)
+    act = (reference.swiglu_clamped(h, swiglu_limit, swiglu_alpha) if swiglu_limit > 0
+           else silu_and_mul(h))
     flat_weights = weights.reshape(-1).float().contiguous()
-    y = _gemm(act, down, rows, tile_expert, flat_weights, hidden, valid, 1, block_m,
-              torch.float32)
+    y = _gemm(act.contiguous(), down, rows, tile_expert, flat_weights, hidden, valid, 1,
+              block_m, torch.float32, down_bias)
     return y.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)

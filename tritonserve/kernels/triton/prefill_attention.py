@@ -49,13 +49,14 @@ def _prune(configs, named_args, **kwargs):
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-                    cu_seqlens_q_ptr, seq_lens_ptr, out_ptr, scale, window, softcap,
+                    cu_seqlens_q_ptr, seq_lens_ptr, out_ptr, scale, window, softcap, sinks_ptr,
                     stride_qt, stride_qh, stride_bts, stride_cb, stride_ct, stride_ch,
                     stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr,
                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-                    WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr, INT8: tl.constexpr):
+                    WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr, INT8: tl.constexpr,
+                    SINKS: tl.constexpr):
     BLOCK_Q = BLOCK_M // BLOCK_G  # query positions per program (a constexpr)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,6 +121,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, b
                 visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, PRECISION)
+        if SINKS:  # each head's sink logit in the denominator, weighing no value
+            l_i += tl.exp(tl.load(sinks_ptr + kv_head * GROUP + g, mask=g < GROUP,
+                                  other=0.0) - m_i)
         out = acc / l_i[:, None]
         o_rows = (q_start + qi) * stride_ot + (kv_head * GROUP + g) * stride_oh
         tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -139,11 +143,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_q_len: int | None = None,
                             out: torch.Tensor | None = None,
                             tile: tuple[int, int] | None = None, window: int | None = None,
-                            softcap: float | None = None) -> torch.Tensor:
+                            softcap: float | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [total_query_tokens, num_heads, head_dim] -> out of the same shape.
     tile=(BLOCK_M rows, TILE_N keys) fixes the shape instead of autotuning it. window /
-    softcap: reference.paged_attention_masked's (the tiles before a program's first window
-    are not read)."""
+    softcap / sinks: reference.paged_attention_masked's (the tiles before a program's first
+    window are not read)."""
     block_size, num_kv_heads, group = attention_shapes(q, k_cache, v_cache)
     total, num_heads, head_dim = q.shape
     if group > MAX_GROUP:
@@ -159,13 +164,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     int8, k_scale, v_scale = int8_scales(k_cache, v_cache)
     args = (q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, out,
             scale,
-            window or 0, softcap or 0.0, q.stride(0), q.stride(1), block_tables.stride(0),
+            window or 0, softcap or 0.0, q if sinks is None else sinks.float().contiguous(),
+            q.stride(0), q.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
             out.stride(1))
     shape = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g,
                  BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
                  FP32=compute_in_fp32(q.dtype) or int8, PRECISION=dot_precision(q.dtype),
-                 WINDOWED=bool(window), SOFTCAPPED=bool(softcap), INT8=int8)
+                 WINDOWED=bool(window), SOFTCAPPED=bool(softcap), INT8=int8,
+                 SINKS=sinks is not None)
     if tile is None and interpreting():
         tile = (max(DEFAULT_BLOCK_M, block_g), tile_tokens(block_size, q.dtype))
     if tile is not None:
