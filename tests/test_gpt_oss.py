@@ -3,8 +3,8 @@
 router and experts, a SwiGLU limit the random weights reach) gives transformers' greedy tokens
 in fp32 for 32 tokens and its logprobs within tolerance, on the C++ ops (the attention's sinks
 in kernels/cpu/paged_decode.cpp, the experts' biases and clamped SwiGLU in moe.cpp) and on
-plain torch; the experts op and the router against kernels/reference.py and transformers
-(the attention kernels' sinks: tests/test_kernels_window.py)."""
+plain torch; the router against transformers (the attention kernels' sinks:
+tests/test_kernels_window.py; the experts op's extras: tests/test_moe.py)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 
 from tritonserve.engine import LLM, SamplingParams
 from tritonserve.engine.models import moe
-from tritonserve.kernels import cpu, quant_layout, reference
+from tritonserve.kernels import cpu, quant_layout
 from tests.test_families_parity import assert_greedy_parity, hf_logprobs, prompts_for
 from tests.tiny_models import write_tiny_model
 
@@ -69,47 +69,6 @@ def test_sinks_and_the_swiglu_limit_change_the_tokens(gpt_oss, tmp_path):
                                                                              params)[0]
         gap = max(abs(a.logprob - b.logprob) for a, b in zip(out.logprobs, true.logprobs))
         assert out.token_ids != true.token_ids or gap > 0.05, change
-
-
-@needs_library
-@pytest.mark.parametrize("form", ["plain", "panels", "s8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 7])
-def test_the_experts_op_takes_biases_and_the_clamped_swiglu(form, dtype, tokens):
-    """moe_experts with gate/up and down biases and swiglu_limit equals reference.fused_moe
-    (and grouped_experts) in every weight form; without the extras it differs."""
-    g = torch.Generator().manual_seed(0)
-    e, h, i = 6, 64, 32
-    gate_up, down = torch.randn(e, 2 * i, h, generator=g) * 0.3, torch.randn(e, h, i,
-                                                                             generator=g) * 0.1
-    gu_bias, d_bias = torch.randn(e, 2 * i, generator=g), torch.randn(e, h, generator=g)
-    if form == "s8":
-        q_gu = torch.stack([quant_layout.quantize(w, form) for w in gate_up])
-        q_d = torch.stack([quant_layout.quantize(w, form) for w in down])
-        gate_up = torch.stack([quant_layout.dequantize(w, 64) for w in q_gu])
-        down = torch.stack([quant_layout.dequantize(w, 64) for w in q_d])
-        stored = (q_gu, q_d)
-    elif form == "panels":
-        if cpu.panel_ops(dtype) is None:
-            pytest.skip(f"no {dtype} panels here")
-        pack = cpu.panel_ops(dtype)[0]
-        stored = tuple(torch.stack([pack(w.to(dtype).contiguous()) for w in t])
-                       for t in (gate_up, down))
-    else:
-        stored = (gate_up.to(dtype), down.to(dtype))
-    x = torch.randn(tokens, h, generator=g).to(dtype)
-    ids, weights = moe.route(torch.randn(tokens, e, generator=g), 2, False, softmax_last=True)
-    extras = (gu_bias, d_bias, 1.5, 1.702)
-    got = moe.moe_experts(x, ids, weights, *stored, i, *extras)
-    want = reference.fused_moe(x.float(), gate_up.to(dtype).float(), down.to(dtype).float(),
-                               ids, weights, *extras)
-    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
-    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
-    torch.testing.assert_close(moe.grouped_experts(x, ids, weights, *stored, i, *extras).float(),
-                               want, rtol=tol, atol=tol)
-    bare = reference.fused_moe(x.float(), gate_up.to(dtype).float(), down.to(dtype).float(),
-                               ids, weights)
-    assert (bare - want).abs().max() > 0.1
 
 
 def test_the_router_takes_top_k_of_the_logits_then_their_softmax():

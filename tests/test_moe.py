@@ -116,7 +116,10 @@ def _routing(t, e, k, seed=1):
 @pytest.mark.parametrize("form", ["plain", "panels", "u4", "s8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 16])
-def test_the_experts_op_equals_the_reference(form, dtype, tokens):
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_the_experts_op_equals_the_reference(form, dtype, tokens, gpt_oss):
+    """gpt_oss: with gate/up and down biases, top-k-then-softmax routing and the clamped
+    SwiGLU (moe.cpp's Activation); without those extras its answer differs."""
     if cpu.op("moe_experts") is None:
         pytest.skip("no C++ library")
     gate_up, down = _experts()
@@ -136,14 +139,22 @@ def test_the_experts_op_equals_the_reference(form, dtype, tokens):
         stored = (gate_up.to(dtype), down.to(dtype))
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
     ids, weights = _routing(tokens, 6, 2)
-    got = moe.moe_experts(x, ids, weights, *stored, 32)
-    want = reference.fused_moe(x.float(), gate_up.to(dtype).float(), down.to(dtype).float(),
-                               ids, weights)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    extras = ()
+    if gpt_oss:
+        g = torch.Generator().manual_seed(3)
+        extras = (torch.randn(6, 64, generator=g), torch.randn(6, 64, generator=g), 0.3, 1.702)
+        ids, weights = moe.route(torch.randn(tokens, 6, generator=g), 2, False,
+                                 softmax_last=True)
+    got = moe.moe_experts(x, ids, weights, *stored, 32, *extras)
+    args = (x.float(), gate_up.to(dtype).float(), down.to(dtype).float(), ids, weights)
+    want = reference.fused_moe(*args, *extras)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     # the torch path over the same forms agrees too
-    torch.testing.assert_close(moe.grouped_experts(x, ids, weights, *stored, 32).float(),
-                               want, rtol=tol, atol=tol)
+    torch.testing.assert_close(moe.grouped_experts(x, ids, weights, *stored, 32,
+                                                   *extras).float(), want, rtol=tol, atol=tol)
+    if gpt_oss:
+        assert (reference.fused_moe(*args) - want).abs().max() > 0.1
 
 
 def test_routing_breaks_ties_as_transformers():

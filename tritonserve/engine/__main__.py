@@ -6,14 +6,15 @@ import sys
 
 from .config import CLI_DECODE_MODES, DTYPE_CHOICES, EngineConfig
 from .llm import LLM
-from .models import supported_models
+from .models import HelpFormatter, supported_models
 from .sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tritonserve")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="offline generation", epilog=supported_models())
+    gen = sub.add_parser("generate", help="offline generation", epilog=supported_models(),
+                         formatter_class=HelpFormatter)
     gen.add_argument("--model", default=None, help="local HF folder (default: embedded SmolLM2)")
     gen.add_argument("--prompt", action="append", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")

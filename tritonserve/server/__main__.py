@@ -21,7 +21,7 @@ from tritonserve.engine.config import (CLI_DECODE_MODES, DTYPE_CHOICES, KV_CACHE
                                        SchedulerConfig, SpeculativeConfig)
 from tritonserve.engine.limits import RequestLimits
 from tritonserve.engine.models.gguf import SERVED as GGUF_SERVED
-from tritonserve.engine.models import supported_models
+from tritonserve.engine.models import HelpFormatter, supported_models
 from tritonserve.engine.speculative import METHODS as SPECULATIVE_METHODS
 from tritonserve.engine.llm import build_config
 
@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Every default is read from the config dataclasses: none is written here again."""
     e, c, q, v, sp = EngineConfig, CacheConfig, SchedulerConfig, ServerConfig, SpeculativeConfig
     backends = ["auto", "torch", "triton"]
-    p = argparse.ArgumentParser(prog="tritonserve serve", epilog=supported_models())
+    p = argparse.ArgumentParser(prog="tritonserve serve", epilog=supported_models(),
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default=e.model,
                    help="local HF folder or .gguf file (default: embedded SmolLM2)")
     p.add_argument("--host", default=v.host)

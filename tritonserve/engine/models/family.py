@@ -11,9 +11,11 @@ Adding a family is adding one file (docs/howto/add-a-model-family.md):
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import pkgutil
 import re
+import textwrap
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -327,13 +329,23 @@ def supported_architectures() -> tuple[str, ...]:
 
 
 def supported_gguf_architectures() -> tuple[str, ...]:
-    return tuple(a for f in FAMILIES.values() for a in f.gguf_archs)
+    """Each once (llama.cpp writes Llama and Mixtral as `llama`)."""
+    return tuple(dict.fromkeys(a for f in FAMILIES.values() for a in f.gguf_archs))
 
 
 def supported_models() -> str:
     """The line `serve --help` and `generate --help` end with."""
     return (f"supported models: {', '.join(supported_architectures())} (Hugging Face folders); "
             f"GGUF files of {', '.join(supported_gguf_architectures())}")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's, except that a wrapped line never breaks inside a hyphenated name (the
+    supported_models epilog's `gpt-oss`)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
 
 
 def family_for(config: dict) -> ModelFamily:

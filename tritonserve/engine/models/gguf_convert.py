@@ -150,9 +150,9 @@ def tensor_names(family: ModelFamily, config: dict, gguf_arch: str) -> dict[str,
         stored = names.get_name(base)
         if stored is not None:
             out[f"{stored}.{suffix}"] = hf
-        elif names.get_name(hf) is not None:  # a parameter, not a module's (gpt-oss's sinks)
-            out[f"{names.get_name(hf)}.weight"] = hf
-            out[names.get_name(hf)] = hf
+        elif (whole := names.get_name(hf)) is not None:  # a bare parameter (gpt-oss's sinks)
+            out[f"{whole}.weight"] = hf
+            out[whole] = hf
     return out
 
 
