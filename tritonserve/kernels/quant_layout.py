@@ -55,7 +55,7 @@ class QuantKind:
 
 
 KINDS = (QuantKind("u4", 0, 4, 64 + 256, 64, 1, True, ("Q4_0", "Q4_1", "Q4_K")),
-         QuantKind("s8", 1, 8, 32 + 512, 32, 1, False, ("Q8_0", "Q5_0")),
+         QuantKind("s8", 1, 8, 32 + 512, 32, 1, False, ("Q8_0", "Q5_0", "MXFP4")),
          QuantKind("s8h", 2, 8, 64 + 512, 64, 2, False, ("Q6_K",)),
          QuantKind("s8hm", 3, 8, 96 + 512, 96, 2, True, ("Q5_1", "Q5_K")))
 BY_NAME = {k.name: k for k in KINDS}
