@@ -252,24 +252,32 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     at::Tensor act;
     if (gu_bp == nullptr && activation.limit <= 0.f) {
       act = at::silu(h.narrow(1, 0, inter)) * h.narrow(1, inter, inter);
-    } else {  // in fp32, then back to the matmul's dtype
+    } else {  // in fp32, each row rounded once into the matmul's dtype
       const at::Tensor hf = h.to(torch::kFloat32).contiguous();
-      at::Tensor af = torch::empty({n, inter}, hf.options());
-      for (int64_t r = 0; r < n; ++r)
-        activation(hf.data_ptr<float>() + r * 2 * inter,
-                   gu_bp != nullptr ? gu_bp + e * 2 * inter : nullptr, inter,
-                   af.data_ptr<float>() + r * inter);
-      act = af.to(h.scalar_type());
+      const float* hp = hf.data_ptr<float>();
+      act = torch::empty({n, inter}, h.options());
+      std::vector<float> row(inter);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, act.scalar_type(), "moe_act", [&] {
+        scalar_t* ap = act.data_ptr<scalar_t>();
+        for (int64_t r = 0; r < n; ++r) {
+          activation(hp + r * 2 * inter, gu_bp != nullptr ? gu_bp + e * 2 * inter : nullptr,
+                     inter, row.data());
+          for (int64_t c = 0; c < inter; ++c) ap[r * inter + c] = static_cast<scalar_t>(row[c]);
+        }
+      });
     }
-    at::Tensor y = expert_linear(act.contiguous(), down[e], H).to(torch::kFloat32)
-                       .contiguous();
-    if (d_bp != nullptr) y += d_b[e];
+    const at::Tensor y = expert_linear(act.contiguous(), down[e], H).to(torch::kFloat32)
+                             .contiguous();
     const float* yp = y.data_ptr<float>();
+    const float* bias = d_bp != nullptr ? d_bp + e * H : nullptr;  // added in the sum
     for (int64_t r = 0; r < n; ++r) {
       const float w = wp[order[start[e] + r]];
       float* dst = op + rp[r] * H;
       const float* src = yp + r * H;
-      for (int64_t c = 0; c < H; ++c) dst[c] += w * src[c];
+      if (bias != nullptr)
+        for (int64_t c = 0; c < H; ++c) dst[c] += w * (src[c] + bias[c]);
+      else
+        for (int64_t c = 0; c < H; ++c) dst[c] += w * src[c];
     }
   }
   return x.scalar_type() == torch::kFloat32 ? out : out.to(x.scalar_type());
