@@ -390,3 +390,39 @@ def test_max_loras_caps_the_adapters_a_step_holds(tiny_model, adapters):
         assert at == list(range(at[0], at[0] + len(at))), rid
     with pytest.raises(ValueError, match="max_loras"):
         LLM(tiny_model, max_loras=0)
+
+
+@pytest.mark.slow
+def test_the_triton_path_adds_every_rows_adapter_through_the_kernels(tiny_model, adapters):
+    """attention_backend triton (interpreted here): a step's adapters stacked by slot
+    (engine/lora.py's LoraStack) and added by kernels/triton/lora.py's shrink and expand, one
+    launch a part for every row; a batch of base, a0 and a1 rows gives the torch path's
+    tokens, which differ between the adapters."""
+    from tritonserve.engine import lora
+    from tritonserve.kernels.triton import lora as kernels
+
+    modules = _modules(adapters)
+    prompts = ["Hello world", "def main():"]
+    names = [None, "a0", "a1", "a1"]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    batch = [prompts[i % 2] for i in range(4)]
+    want = LLM(tiny_model, dtype="float32", lora_modules=modules,
+               attention_backend="torch").generate(batch, params, lora=names)
+    llm = LLM(tiny_model, dtype="float32", lora_modules=modules, attention_backend="triton")
+    calls = []
+    shrink = kernels.lora_shrink
+
+    def counted(x, a, slots, *args):
+        calls.append(slots.tolist())
+        return shrink(x, a, slots, *args)
+
+    kernels.lora_shrink = counted
+    try:
+        got = llm.generate(batch, params, lora=names)
+    finally:
+        kernels.lora_shrink = shrink
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    # the same prompt: base vs a1 (rows 0, 2), a0 vs a1 (rows 1, 3)
+    assert want[0].token_ids != want[2].token_ids and want[1].token_ids != want[3].token_ids
+    assert any(-1 in c and 0 in c and 1 in c for c in calls)  # mixed rows in one launch
+    assert lora.LoraStack._made

@@ -201,13 +201,19 @@ def _read_peft(name: str, folder: Path, arch: ModelArch
 
 @dataclass(frozen=True)
 class LoraBatch:
-    """A step's adapters: (adapter, the hidden-state rows of its requests)."""
+    """A step's adapters: (adapter, the hidden-state rows of its requests). kernels: the step
+    adds through kernels/triton/lora.py (punica's BGMV: every row's adapter in one shrink and
+    one expand launch a part, LoraStack) instead of a matmul pair an adapter."""
 
     groups: tuple[tuple[LoraAdapter, torch.Tensor | slice], ...]  # rows: a slice if in a run
+    kernels: torch.Tensor | None = None  # the Triton path: each row's slot (slots())
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> None:
         """out[rows, offset:offset + n] += x[rows] @ A.T @ B.T for each adapter's part (the
         group's A in one matmul)."""
+        if self.kernels is not None:
+            return LoraStack.of(tuple(a for a, _ in self.groups), x.device).add(
+                out, x, self.kernels, layer, group)
         for adapter, rows in self.groups:
             stacked = adapter.groups.get((layer, group))
             if stacked is None:
@@ -230,9 +236,64 @@ class LoraBatch:
         return slots, blobs, indexes
 
 
-def batch_of(adapters: list[LoraAdapter | None], rows_per: list[int]) -> LoraBatch | None:
+class LoraStack:
+    """The adapters of a step stacked by slot for the Triton kernels: per (layer, group) A
+    [slots, R, K] (each adapter's stacked A, its ranks padded with zeros to the widest R) and
+    per output part (offset, n) B [slots, n, R] (each adapter's B at its own ranks' columns,
+    zeros elsewhere and for an adapter without that part), in the adapters' dtype on the
+    step's device. Made once for a set of adapters (the last few sets are kept: a step's set
+    repeats while its requests run)."""
+
+    _made: dict = {}
+    KEEP = 4
+
+    def __init__(self, adapters: tuple[LoraAdapter, ...], device: torch.device) -> None:
+        self.adapters = adapters  # held: the cache's key is their ids
+        self.parts: dict[tuple[int, str], tuple[torch.Tensor, list]] = {}
+        keys = sorted({key for adapter in adapters for key in adapter.groups})
+        for key in keys:
+            present = [(s, a.groups[key]) for s, a in enumerate(adapters) if key in a.groups]
+            ranks = max(g.a.shape[0] for _, g in present)
+            k = present[0][1].a.shape[1]
+            a_stack = torch.zeros(len(adapters), ranks, k)
+            outputs: dict[tuple[int, int], torch.Tensor] = {}
+            for s, group in present:
+                a_stack[s, :group.a.shape[0]] = group.a
+                for b, start, end, offset in group.bs:
+                    b_stack = outputs.setdefault(
+                        (offset, b.shape[0]), torch.zeros(len(adapters), b.shape[0], ranks))
+                    b_stack[s, :, start:end] = b
+            dtype = adapters[0].dtype
+            self.parts[key] = (a_stack.to(device, dtype), [
+                (offset, b_stack.to(device, dtype)) for (offset, _), b_stack in
+                sorted(outputs.items())])
+
+    @classmethod
+    def of(cls, adapters: tuple[LoraAdapter, ...], device: torch.device) -> "LoraStack":
+        key = (tuple(id(a) for a in adapters), str(device))
+        if key not in cls._made:
+            while len(cls._made) >= cls.KEEP:
+                cls._made.pop(next(iter(cls._made)))
+            cls._made[key] = cls(adapters, device)
+        return cls._made[key]
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, layer: int,
+            group: str) -> None:
+        from tritonserve.kernels.triton import lora as kernels
+        found = self.parts.get((layer, group))
+        if found is None:
+            return
+        a_stack, outputs = found
+        xa = kernels.lora_shrink(x.contiguous(), a_stack, slots)
+        for offset, b_stack in outputs:
+            kernels.lora_expand(out, xa, b_stack, slots, offset)
+
+
+def batch_of(adapters: list[LoraAdapter | None], rows_per: list[int],
+             kernels_on: torch.device | None = None) -> LoraBatch | None:
     """The LoraBatch of a step whose requests (in row order) hold these adapters and rows;
-    None when none has one."""
+    None when none has one. kernels_on: add through the Triton kernels, the rows' slots on
+    this device (LoraBatch)."""
     if not any(adapters):
         return None
     rows: dict[str, list[int]] = {}
@@ -243,7 +304,13 @@ def batch_of(adapters: list[LoraAdapter | None], rows_per: list[int]) -> LoraBat
             rows.setdefault(adapter.name, []).extend(range(start, start + count))
             by_name[adapter.name] = adapter
         start += count
-    return LoraBatch(tuple((by_name[name], _rows(r)) for name, r in rows.items()))
+    groups = tuple((by_name[name], _rows(r)) for name, r in rows.items())
+    if kernels_on is None:
+        return LoraBatch(groups)
+    slots = torch.full((start,), -1, dtype=torch.int32)
+    for slot, (_, where) in enumerate(groups):
+        slots[where] = slot
+    return LoraBatch(groups, slots.to(kernels_on))
 
 
 def _rows(rows: list[int]) -> torch.Tensor | slice:

@@ -337,7 +337,8 @@ class ModelRunner:
             prefill_max_q_len=max((s.num_new_tokens for s in prefills), default=0),
         )
         ordered = decodes + prefills
-        lora = batch_of([s.request.lora for s in ordered], [s.num_new_tokens for s in ordered])
+        lora = batch_of([s.request.lora for s in ordered], [s.num_new_tokens for s in ordered],
+                        self.device if self.plan.attention == "triton" else None)
         return ModelInput(self._tensor(input_ids, torch.int64),
                           self._tensor(positions, torch.int64), meta,
                           self._tensor(sample_indices, torch.int64), sample_requests,

@@ -7,8 +7,8 @@ dimension in blocks, accumulating in fp32 (the interpreter has no bf16 arithmeti
 contracts are kernels/reference.py's lora_shrink / lora_expand; tests/test_kernels_lora.py
 holds them under the interpreter.
 
-Not yet: the segmented (SGMV) form for prefill rows that share an adapter, and the engine's
-CUDA path calling these (engine/lora.py's LoraBatch adds with torch today).
+The engine calls them on its Triton path (engine/lora.py's LoraStack: the step's adapters
+stacked by slot). Not yet: the segmented (SGMV) form for prefill rows that share an adapter.
 """
 from __future__ import annotations
 
