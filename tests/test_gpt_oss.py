@@ -168,3 +168,16 @@ def test_the_family_as_a_gguf_file(tmp_path):
     plain = LLM(str(blocks), dtype="float32", decode_mode="eager", quantization="none")
     assert served == [o.token_ids for o in plain.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=32))]
+
+
+@pytest.mark.slow
+def test_the_triton_path_gives_the_torch_paths_tokens(gpt_oss):
+    """attention_backend triton (interpreted here): the decode and prefill kernels take the
+    sinks and the windows (TritonAttention.masked); greedy tokens equal the torch path's."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = ["Hello world", "The quick brown fox jumps over the lazy dog."]
+    want = LLM(gpt_oss, dtype="float32", attention_backend="torch").generate(prompts, params)
+    llm = LLM(gpt_oss, dtype="float32", attention_backend="triton")
+    assert llm.engine.runner.backend.name == "triton"
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
