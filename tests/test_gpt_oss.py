@@ -142,11 +142,12 @@ def test_mxfp4_blocks_parse_into_s8_exactly():
 
 @pytest.mark.slow
 @needs_library
-def test_the_family_as_a_gguf_file(tmp_path):
+def test_the_family_as_a_gguf_file(tmp_path, monkeypatch):
     """As llama.cpp writes it (`gpt-oss`, experts split and stacked with their biases, sinks
     as attn_sinks, the SwiGLU limit its graph's 7): F32, the converted folder's tokens are
     transformers'; with the experts in MXFP4 (the rest Q8_0) the experts are served as s8
-    blocks and give the tokens of the same file loaded dense."""
+    blocks and give the tokens of the same file loaded dense; the memory check counts them
+    at s8's bytes."""
     from tests.gguf_files import write_gguf
     from tests.parity import assert_parity, hf_greedy
 
@@ -168,6 +169,14 @@ def test_the_family_as_a_gguf_file(tmp_path):
     plain = LLM(str(blocks), dtype="float32", decode_mode="eager", quantization="none")
     assert served == [o.token_ids for o in plain.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=32))]
+    # memory: the MXFP4 experts count at s8's bytes, twice theirs in the file
+    from tritonserve.engine import memory
+    from tritonserve.engine.models.gguf import served_bytes
+    size = blocks.stat().st_size
+    assert served_bytes(blocks) > size * 1.2
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: size + 4096)  # the file
+    with pytest.raises(ValueError, match="the weights take .* GiB of memory are available"):
+        LLM(str(blocks), dtype="float32", quantization="gguf")  # fits, its blocks do not
 
 
 @pytest.mark.slow

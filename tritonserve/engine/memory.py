@@ -20,6 +20,7 @@ import torch
 from .config import EngineConfig
 from .cpu_allocator import available_memory_bytes, keep_buffers_on_heap
 from .models import ModelArch
+from .models.gguf import served_bytes
 
 log = logging.getLogger("tritonserve.engine")
 
@@ -35,14 +36,15 @@ def check_weights_fit(config: EngineConfig, arch: ModelArch, gguf_file=None) -> 
     """On the CPU, refuse weights larger than the memory available, naming the sizes: they
     would be paged from disk every step (a mixture's experts most of all: each step reads
     other experts), minutes a token without a word. A GGUF file served as its blocks takes
-    about its size; anything else its dtype's bytes a weight."""
+    about its size (MXFP4 twice its bytes: gguf.served_bytes); anything else its dtype's
+    bytes a weight."""
     if config.device != "cpu":
         return
     available = available_memory_bytes()
     if available is None:
         return
     dense = weight_bytes(config, arch)
-    served = (gguf_file.stat().st_size if gguf_file is not None
+    served = (served_bytes(gguf_file) if gguf_file is not None
               and config.quantization in ("auto", "gguf") else dense)
     if served <= available:
         return

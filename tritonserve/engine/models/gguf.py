@@ -257,6 +257,16 @@ def experts_served(path: str | Path, reader=None) -> bool:
                                  and int(t.shape[1]) % quant_layout.COLS == 0 for t in experts)
 
 
+def served_bytes(path: str | Path) -> int:
+    """The bytes a file's tensors take once served as blocks: about the file's size, except
+    MXFP4, whose 4.25 bits a weight become s8's 8.5 (the header only is read)."""
+    import gguf
+
+    s8 = quant_layout.RECORD_BYTES["s8"] / (quant_layout.COLS * quant_layout.GROUP)
+    return sum(int(t.n_elements * s8) if t.tensor_type.name == "MXFP4" else int(t.n_bytes)
+               for t in gguf.GGUFReader(str(path)).tensors)
+
+
 def dense_experts(path: str | Path, family: str) -> dict[str, torch.Tensor]:
     """A file's stacked experts dequantized (fp32), by the checkpoint's per-expert names: what
     a dense load takes in their place where the converted folder left them out (its experts
