@@ -12,7 +12,7 @@ import torch
 
 from tritonserve.engine import LLM, SamplingParams
 from tritonserve.engine.models import moe
-from tritonserve.kernels import cpu, quant_layout
+from tritonserve.kernels import cpu
 from tests.test_families_parity import assert_greedy_parity, hf_logprobs, prompts_for
 from tests.tiny_models import write_tiny_model
 
@@ -148,27 +148,11 @@ def test_the_family_as_a_gguf_file(tmp_path, monkeypatch):
     transformers'; with the experts in MXFP4 (the rest Q8_0) the experts are served as s8
     blocks and give the tokens of the same file loaded dense; the memory check counts them
     at s8's bytes."""
-    from tests.gguf_files import write_gguf
-    from tests.parity import assert_parity, hf_greedy
+    from tests.test_moe import assert_the_gguf_file_round_trips
 
-    folder = write_tiny_model(tmp_path / "hf", "GptOssForCausalLM", swiglu_limit=7.0)
-    dense = write_gguf(folder, tmp_path / "f32.gguf")
-    llm = LLM(str(dense), dtype="float32", decode_mode="eager")
-    assert llm.engine.arch.architecture == "GptOssForCausalLM"
-    assert llm.engine.arch.variant.windows == (8, None, 8, None)
-    prompts = prompts_for(llm.tokenizer)[:3]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
-    assert_parity([o.token_ids for o in outs],
-                  hf_greedy(str(folder), prompts, 32, set(llm.engine.eos_token_ids)))
-    blocks = write_gguf(folder, tmp_path / "mxfp4.gguf", quantized=True)
-    llm = LLM(str(blocks), dtype="float32", decode_mode="eager", quantization="gguf")
-    layer = llm.engine.runner.model.layers[-1].mlp
-    assert isinstance(layer, moe.SparseMoE) and quant_layout.kind_of(layer.gate_up[0]) == "s8"
-    served = [o.token_ids for o in llm.generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=32))]
-    plain = LLM(str(blocks), dtype="float32", decode_mode="eager", quantization="none")
-    assert served == [o.token_ids for o in plain.generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=32))]
+    f32, blocks = assert_the_gguf_file_round_trips(tmp_path, "GptOssForCausalLM",
+                                                   swiglu_limit=7.0)
+    assert f32.engine.arch.variant.windows == (8, None, 8, None)
     # memory: the MXFP4 experts count at s8's bytes, twice theirs in the file
     from tritonserve.engine import memory
     from tritonserve.engine.models.gguf import served_bytes

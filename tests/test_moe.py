@@ -69,32 +69,39 @@ def test_the_compiled_step_equals_eager(moe_models):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_the_family_as_a_gguf_file(tmp_path, arch):
+    assert_the_gguf_file_round_trips(tmp_path, arch, mlp_only_layers=[])
+
+
+def assert_the_gguf_file_round_trips(tmp_path, arch: str, **overrides):
     """F32: the converted folder's tokens are transformers'; Q8_0 blocks (experts stacked,
-    each expert's blocks packed alone) served as blocks give the tokens of the same file
-    loaded dense (--quantization none: the experts dequantized from the file, which the
-    converted folder leaves out) and the rest dequantized as transformers reads it."""
+    each expert's blocks packed alone; gpt-oss's MXFP4) served as blocks give the tokens of
+    the same file loaded dense (--quantization none: the experts dequantized from the file,
+    which the converted folder leaves out) and the rest dequantized as transformers reads it.
+    Returns the F32 engine and the blocks file."""
     from tests.gguf_files import write_gguf
     from tritonserve.engine.default_model import gguf_folder
 
-    folder = write_tiny_model(tmp_path / "hf", arch, mlp_only_layers=[])
-    dense = write_gguf(folder, tmp_path / "f32.gguf")
-    llm = LLM(str(dense), dtype="float32", decode_mode="eager")
-    assert llm.engine.arch.architecture == arch
-    prompts = prompts_for(llm.tokenizer)[:3]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
+    folder = write_tiny_model(tmp_path / "hf", arch, **overrides)
+    f32 = LLM(str(write_gguf(folder, tmp_path / "f32.gguf")), dtype="float32",
+              decode_mode="eager")
+    assert f32.engine.arch.architecture == arch
+    prompts = prompts_for(f32.tokenizer)[:3]
+    outs = f32.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
     assert_parity([o.token_ids for o in outs],
-                  hf_greedy(str(folder), prompts, 32, set(llm.engine.eos_token_ids)))
+                  hf_greedy(str(folder), prompts, 32, set(f32.engine.eos_token_ids)))
     blocks = write_gguf(folder, tmp_path / "q8.gguf", quantized=True)
     llm = LLM(str(blocks), dtype="float32", decode_mode="eager", quantization="gguf")
     assert llm.engine.runner.plan.weights == "gguf"
     layer = llm.engine.runner.model.layers[-1].mlp
     assert isinstance(layer, moe.SparseMoE) and quant_layout.kind_of(layer.gate_up[0]) == "s8"
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
-    assert not any("experts" in name for name in _stored(gguf_folder(blocks)))
+    assert not any("experts" in name and name.endswith("weight")
+                   for name in _stored(gguf_folder(blocks)))
     dense = LLM(str(blocks), dtype="float32", decode_mode="eager", quantization="none")
     assert dense.engine.runner.plan.weights != "gguf"
     refs = dense.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32))
     assert [o.token_ids for o in outs] == [o.token_ids for o in refs]
+    return f32, blocks
 
 
 def _stored(folder) -> list[str]:
