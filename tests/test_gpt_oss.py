@@ -114,12 +114,22 @@ def test_bfloat16_and_the_compiled_step_stay_near_transformers(gpt_oss):
     assert tokens["auto"] == tokens["eager"]
 
 
-def test_tensor_parallel_is_refused_naming_the_biases(gpt_oss):
-    from tritonserve.engine.models.arch import ModelArch
-    from tritonserve.engine.parallel import local_arch
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_give_one_ranks_tokens(gpt_oss):
+    """tp 2: each rank holds half of the heads (their sinks too) and of every expert's rows;
+    the o and expert down biases, added before the all-reduce, are rank 0's alone (the other
+    rank holds zeros: moe.SUMMED), so the sum adds them once. Greedy tokens and logprobs as
+    one rank's."""
+    from tests.test_tensor_parallel import run
 
-    with pytest.raises(ValueError, match="output projection bias and expert biases"):
-        local_arch(ModelArch.from_folder(gpt_oss), 2)
+    prompts = [[5 + i for i in range(n)] for n in (3, 9, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    one, _ = run(gpt_oss, "float32", 1, prompts, params)
+    two, plan = run(gpt_oss, "float32", 2, prompts, params)
+    assert "tensor_parallel_size 2" in plan.why_mode
+    for a, b in zip(one, two):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
 
 def test_mxfp4_blocks_parse_into_s8_exactly():

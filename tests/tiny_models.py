@@ -123,6 +123,10 @@ def write_tiny_model(folder: Path, architecture: str = "LlamaForCausalLM", seed:
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():  # transformers starts biases at zero: random ones are tested
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "_bias")):
+                param.normal_(0.0, 0.1)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 

@@ -41,12 +41,6 @@ def local_arch(arch: ModelArch, size: int) -> ModelArch:
     if size == 1:
         return arch
     experts = arch.variant.experts  # each rank holds a share of every expert's rows
-    summed = [what for what, odd in (("an output projection bias", arch.variant.o_bias),
-                                     ("expert biases", experts is not None and experts.bias))
-              if odd]
-    if summed:  # a bias after a row-parallel matmul would join the all-reduce once a rank
-        raise ValueError(f"tensor_parallel_size {size}: {arch.architecture} has "
-                         f"{' and '.join(summed)}, which tensor parallelism does not take yet")
     bad = [f"{name} {count}" for name, count in (
         ("query heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
         ("intermediate_size", arch.intermediate_size),

@@ -18,7 +18,7 @@ from ..parallel import Shard
 from .arch import ModelArch
 from .family import FAMILIES
 from .decoder import DecoderForCausalLM, RMSNorm
-from .moe import EXPERT_PARAMS, SparseMoE, expert_slots, is_stacked, split_stacked
+from .moe import SUMMED, EXPERT_PARAMS, SparseMoE, expert_slots, is_stacked, split_stacked
 from .rope import RotaryEmbedding
 
 # Buffers some checkpoints carry that are recomputed here.
@@ -33,7 +33,8 @@ class WeightLoadError(ValueError):
 class WeightSlot:
     """Where one checkpoint tensor goes: rows [start, start + rows) of a parameter; split:
     the dim a tensor-parallel rank takes its share of (0 column-parallel, 1 row-parallel,
-    None replicated: engine/parallel.py)."""
+    None replicated: engine/parallel.py; moe.SUMMED: a bias before a row-parallel all-reduce,
+    rank 0's alone)."""
 
     param: torch.nn.Parameter
     start: int
@@ -67,7 +68,7 @@ def checkpoint_slots(model: DecoderForCausalLM) -> dict[str, WeightSlot]:
                 slots[f"{p}self_attn.{name}_proj.{suffix}"] = WeightSlot(qkv, start, rows, 0)
         whole(f"{p}self_attn.o_proj.weight", attn.o_proj.weight, split=1)
         if arch.variant.o_bias:
-            whole(f"{p}self_attn.o_proj.bias", attn.o_proj.bias)
+            whole(f"{p}self_attn.o_proj.bias", attn.o_proj.bias, split=SUMMED)
         if arch.variant.sinks:
             whole(f"{p}self_attn.sinks", attn.sinks, split=0)
         if arch.qk_norm:
@@ -152,7 +153,9 @@ def load_weights(model: DecoderForCausalLM, folder: str | Path,
         if slot is None:
             unexpected.append(name)
             return
-        if shard.size > 1 and slot.split is not None and slot.split < tensor.dim():
+        if shard.size > 1 and slot.split == SUMMED:
+            tensor = tensor if shard.rank == 0 else torch.zeros_like(tensor)
+        elif shard.size > 1 and slot.split is not None and slot.split < tensor.dim():
             tensor = shard.narrow(tensor, slot.split)
         expected = (slot.rows, *slot.param.shape[1:])
         if tuple(tensor.shape) != expected:

@@ -32,6 +32,10 @@ from .family import Experts
 from .linear import linear, pack, weight_form
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# a WeightSlot split for a bias added before a row-parallel all-reduce (gpt-oss's o and
+# expert down biases): under tensor parallelism rank 0 holds it and the others zeros, so the
+# sum over ranks adds it once (engine/models/loader.py)
+SUMMED = -1
 EXPERT_PARAMS = ("gate_up", "down")  # SparseMoE's stacked expert weights
 
 
@@ -242,7 +246,7 @@ def expert_slots(prefix: str, moe: SparseMoE, rows_split: bool = True) -> dict:
         if moe.gate_up_bias is not None:
             slots[f"{p}gate_proj.bias"] = (moe.gate_up_bias.data[e, :inter], 0)
             slots[f"{p}up_proj.bias"] = (moe.gate_up_bias.data[e, inter:], 0)
-            slots[f"{p}down_proj.bias"] = (moe.down_bias.data[e], None)
+            slots[f"{p}down_proj.bias"] = (moe.down_bias.data[e], SUMMED)
     return slots
 
 
