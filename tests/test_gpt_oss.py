@@ -120,16 +120,9 @@ def test_two_tensor_parallel_ranks_give_one_ranks_tokens(gpt_oss):
     the o and expert down biases, added before the all-reduce, are rank 0's alone (the other
     rank holds zeros: moe.SUMMED), so the sum adds them once. Greedy tokens and logprobs as
     one rank's."""
-    from tests.test_tensor_parallel import run
+    from tests.test_moe import assert_two_ranks_give_one_ranks_tokens
 
-    prompts = [[5 + i for i in range(n)] for n in (3, 9, 17)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-    one, _ = run(gpt_oss, "float32", 1, prompts, params)
-    two, plan = run(gpt_oss, "float32", 2, prompts, params)
-    assert "tensor_parallel_size 2" in plan.why_mode
-    for a, b in zip(one, two):
-        assert a.token_ids == b.token_ids
-        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert_two_ranks_give_one_ranks_tokens(gpt_oss)
 
 
 def test_mxfp4_blocks_parse_into_s8_exactly():

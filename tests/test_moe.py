@@ -302,10 +302,13 @@ def test_openai_conformance_on_a_mixture_of_experts(moe_models, tmp_path):
 def test_two_tensor_parallel_ranks_split_every_expert(moe_models):
     """tp 2: each rank holds half of every expert's rows (gate/up by rows, down by columns),
     its partial sums all-reduced after the experts: one rank's greedy tokens and logprobs."""
+    assert_two_ranks_give_one_ranks_tokens(moe_models["Qwen3MoeForCausalLM"])
+
+
+def assert_two_ranks_give_one_ranks_tokens(folder: str) -> None:
     from tests.test_tensor_parallel import run
     prompts = [[5 + i for i in range(n)] for n in (3, 9, 17)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-    folder = moe_models["Qwen3MoeForCausalLM"]
     one, _ = run(folder, "float32", 1, prompts, params)
     two, plan = run(folder, "float32", 2, prompts, params)
     assert "tensor_parallel_size 2" in plan.why_mode

@@ -292,8 +292,8 @@ class DecoderForCausalLM(nn.Module):
 
     def reduce_row_parallel(self, reduce) -> None:
         """o and down sum their partial products over the tensor-parallel ranks with
-        `reduce` (engine/parallel.py); the checkpoint's biases of o / down, where a family has
-        them, would be added by every rank: none of the served ones has."""
+        `reduce` (engine/parallel.py); a bias of o / down (gpt-oss's) is added before the sum,
+        so only rank 0 holds it (the loader's moe.SUMMED slots)."""
         for layer in self.layers:
             layer.self_attn.o_proj.reduce = reduce
             (layer.mlp if isinstance(layer.mlp, SparseMoE) else layer.mlp.down_proj).reduce = \
