@@ -201,19 +201,20 @@ def _read_peft(name: str, folder: Path, arch: ModelArch
 
 @dataclass(frozen=True)
 class LoraBatch:
-    """A step's adapters: (adapter, the hidden-state rows of its requests). kernels: the step
-    adds through kernels/triton/lora.py (punica's BGMV: every row's adapter in one shrink and
-    one expand launch a part, LoraStack) instead of a matmul pair an adapter."""
+    """A step's adapters: (adapter, the hidden-state rows of its requests). stack / slots:
+    the Triton path, where the step adds through kernels/triton/lora.py (punica's BGMV: every
+    row's adapter in one shrink and one expand launch a part) instead of a matmul pair an
+    adapter; both made once a step by batch_of."""
 
     groups: tuple[tuple[LoraAdapter, torch.Tensor | slice], ...]  # rows: a slice if in a run
-    kernels: torch.Tensor | None = None  # the Triton path: each row's slot (slots())
+    stack: "LoraStack | None" = None  # the groups' adapters stacked by slot
+    slots: torch.Tensor | None = None  # each row's slot (its group's index), -1 for the base
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> None:
         """out[rows, offset:offset + n] += x[rows] @ A.T @ B.T for each adapter's part (the
         group's A in one matmul)."""
-        if self.kernels is not None:
-            return LoraStack.of(tuple(a for a, _ in self.groups), x.device).add(
-                out, x, self.kernels, layer, group)
+        if self.stack is not None:
+            return self.stack.add(out, x, self.slots, layer, group)
         for adapter, rows in self.groups:
             stacked = adapter.groups.get((layer, group))
             if stacked is None:
@@ -310,7 +311,8 @@ def batch_of(adapters: list[LoraAdapter | None], rows_per: list[int],
     slots = torch.full((start,), -1, dtype=torch.int32)
     for slot, (_, where) in enumerate(groups):
         slots[where] = slot
-    return LoraBatch(groups, slots.to(kernels_on))
+    return LoraBatch(groups, LoraStack.of(tuple(a for a, _ in groups), kernels_on),
+                     slots.to(kernels_on))
 
 
 def _rows(rows: list[int]) -> torch.Tensor | slice:
