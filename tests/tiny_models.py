@@ -23,10 +23,11 @@ CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_tokenizer(folder: Path, vocab_size: int = 384, metaspace: bool = False) -> int:
+def write_tokenizer(folder: Path, vocab_size: int = 384, metaspace: bool = False,
+                    special: tuple[str, ...] = ()) -> int:
     """Byte-level BPE (GPT-2, Llama 3, SmolLM2 style), or with metaspace=True SentencePiece
     style (Llama 2, Mistral): words marked by a leading "▁", the first one's stripped when
-    decoding."""
+    decoding. `special`: more special tokens (after SPECIAL_TOKENS, whose ids stay)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -40,7 +41,8 @@ def write_tokenizer(folder: Path, vocab_size: int = 384, metaspace: bool = False
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size,
+                                  special_tokens=SPECIAL_TOKENS + list(special),
                                   initial_alphabet=alphabet)
     tokenizer.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|im_start|>",
@@ -91,11 +93,12 @@ FAMILY_SHAPES: dict[str, dict] = {
 
 
 def write_tiny_model(folder: Path, architecture: str = "LlamaForCausalLM", seed: int = 0,
-                     metaspace: bool = False, **overrides) -> Path:
+                     metaspace: bool = False, special: tuple[str, ...] = (),
+                     **overrides) -> Path:
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(folder, metaspace=metaspace)
+    vocab = write_tokenizer(folder, metaspace=metaspace, special=special)
     eos = SPECIAL_TOKENS.index("<|im_end|>")
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

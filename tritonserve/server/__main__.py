@@ -29,6 +29,7 @@ from .app import build_app, drain
 from .common import STATE
 from .config import ServerConfig
 from .dp_engine import DataParallelEngine
+from .harmony import PARSER as HARMONY, TOOL_PARSER as HARMONY_TOOLS
 from .reasoning import PARSERS as REASONING_PARSERS
 from .router import POLICIES
 from .tool_parsers import PARSERS as TOOL_PARSERS
@@ -161,13 +162,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chat-template-timeout", type=float, default=v.chat_template_timeout,
                    help="seconds one render of the chat template may take (then a 400)")
     p.add_argument("--reasoning-parser", default=v.reasoning_parser,
-                   choices=("auto", "none", *REASONING_PARSERS),
+                   choices=("auto", "none", *REASONING_PARSERS, HARMONY),
                    help="split <think> reasoning into reasoning_content; auto: what the chat "
-                   "template asks for (Qwen3's enable_thinking: qwen3; DeepSeek-R1: deepseek_r1)")
+                   "template asks for (Qwen3's enable_thinking: qwen3; DeepSeek-R1: deepseek_r1; "
+                   f"gpt-oss's harmony channels: {HARMONY})")
     p.add_argument("--tool-call-parser", default=v.tool_call_parser,
-                   choices=("auto", *TOOL_PARSERS),
+                   choices=("auto", *TOOL_PARSERS, HARMONY_TOOLS),
                    help="the format tool calls are parsed from with tool_choice auto; auto: "
-                   "the chat template's (hermes when it says nothing)")
+                   f"the chat template's (hermes when it says nothing; {HARMONY_TOOLS} for "
+                   "gpt-oss's harmony format)")
     p.add_argument("--responses-store", type=int, default=v.responses_store,
                    help="responses kept in memory for GET /v1/responses/{id} and "
                    "previous_response_id (the least recently used dropped first)")

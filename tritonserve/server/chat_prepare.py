@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from tritonserve.engine import SamplingParams
 
+from . import harmony
 from .chat_template import ChatTemplate
 from .common import ApiError, check_chat_size, sampling_params
 from tritonserve.engine.reasoning_end import END as REASONING_END
@@ -43,6 +44,10 @@ async def prepare_chat(state, body: ChatCompletionRequest) -> PreparedChat:
                      body.parallel_tool_calls)
     structured = structured_output(body)
     forced = plan.structured() if plan is not None else None
+    if forced is not None and template.harmony:
+        raise ApiError(400, "invalid_request", "a required or named tool_choice is not "
+                       "supported for harmony-format (gpt-oss) models: the call is written in "
+                       "the model's own channel; use tool_choice auto", "tool_choice")
     if forced is not None and structured is not None:
         raise ApiError(400, "invalid_request", "a required or named tool_choice cannot be "
                        "combined with response_format", "tool_choice")
@@ -55,7 +60,12 @@ async def prepare_chat(state, body: ChatCompletionRequest) -> PreparedChat:
     top = body.top_logprobs if body.logprobs else None
     params = sampling_params(body, (top or 0) if body.logprobs else None, max_tokens,
                              forced or structured)
-    if params.structured is not None and template.reasoning_parser is not None \
+    if template.harmony:
+        # the channel markers are special tokens: the parser reads them in the text
+        # (server/harmony.py); a grammar applies to the final channel's body
+        params = dataclasses.replace(params, skip_special_tokens=False, structured_after=(
+            harmony.FINAL_OPENS if params.structured is not None else ""))
+    elif params.structured is not None and template.reasoning_parser is not None \
             and ReasoningSplitter(template.reasoning_parser, prompt_text).may_reason:
         # the grammar applies to the answer, after the reasoning (as vLLM does)
         params = dataclasses.replace(params, structured_after=REASONING_END)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tritonserve.engine import InvalidRequestError
 
-from . import reasoning, tool_parsers
+from . import harmony, reasoning, tool_parsers
 from .errors import ApiError
 
 # what the server passes apply_chat_template itself, or what would change how it renders
@@ -44,10 +44,22 @@ class ChatTemplate:
                  tool_parser: str = "auto") -> None:
         self.source = source
         self.timeout = timeout
-        self.reasoning_parser = (reasoning.pick_parser(source) if reasoning_parser == "auto"
+        written = harmony.is_harmony(source)  # gpt-oss: reasoning and calls are its channels
+        self.reasoning_parser = ((harmony.PARSER if written else reasoning.pick_parser(source))
+                                 if reasoning_parser == "auto"
                                  else None if reasoning_parser == "none" else reasoning_parser)
-        self.tool_parser = (tool_parsers.pick_parser(source) if tool_parser == "auto"
-                            else tool_parser)
+        self.tool_parser = ((harmony.TOOL_PARSER if self.reasoning_parser == harmony.PARSER
+                             else tool_parsers.pick_parser(source))
+                            if tool_parser == "auto" else tool_parser)
+        if (self.reasoning_parser == harmony.PARSER) != (self.tool_parser == harmony.TOOL_PARSER):
+            raise ValueError(f"--reasoning-parser {harmony.PARSER} and --tool-call-parser "
+                             f"{harmony.TOOL_PARSER} go together (both read the harmony format's "
+                             f"channels); got {self.reasoning_parser} and {self.tool_parser}")
+
+    @property
+    def harmony(self) -> bool:
+        """The output is gpt-oss's harmony format (server/harmony.py)."""
+        return self.reasoning_parser == harmony.PARSER
 
     @classmethod
     def load(cls, path: str | None, tokenizer_template: str | None, timeout: float,

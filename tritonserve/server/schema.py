@@ -6,6 +6,7 @@ then exactly one terminal event, `done` or `error`.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
@@ -147,13 +148,40 @@ class ChatMessage(Strict):
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+    # an earlier turn's reasoning, as vLLM takes it back (Qwen3's templates read
+    # reasoning_content; gpt-oss's reads thinking)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def for_template(self) -> dict:
-        """The message as chat templates expect it: content parts joined into one string."""
+        """The message as chat templates expect it: content parts joined into one string; an
+        earlier turn's reasoning under the names templates read; a tool call's arguments as an
+        object (OpenAI sends a JSON string; templates write `arguments | tojson`, which would
+        quote the string again), as vLLM passes them."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None:
+            message.pop("reasoning", None)
+            message["reasoning_content"] = message["thinking"] = thinking
+        if self.tool_calls:
+            message["tool_calls"] = [_arguments_parsed(call) for call in self.tool_calls]
         return message
+
+
+def _arguments_parsed(call: dict) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call  # not JSON: the template gets the text as sent
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 class ChatCompletionRequest(OpenAIFields):

@@ -70,6 +70,11 @@ def converts_itself(gguf_file: Path) -> bool:
     return found[0].gguf_config is not None
 
 
+# harmony's end-of-generation tokens (gpt-oss): generation_config.json lists both; llama.cpp's
+# converter writes only <|return|> as EOS and its vocab loader adds them by text
+HARMONY_ENDS = ("<|return|>", "<|call|>")
+
+
 def config_of(meta: GGUFMeta, family: ModelFamily, architecture: str) -> dict:
     """config.json from the generic keys (gguf-py's Keys), then the family's own."""
     import gguf
@@ -80,6 +85,8 @@ def config_of(meta: GGUFMeta, family: ModelFamily, architecture: str) -> dict:
     tokens = meta.fields["tokenizer.ggml.tokens"]
     eos = [meta.fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in meta.fields]
+    if HARMONY_ENDS[0] in tokens:  # gpt-oss: a tool call ends the turn too (as llama.cpp's EOG)
+        eos += [tokens.index(text) for text in HARMONY_ENDS if text in tokens]
     config = {
         "architectures": [architecture],
         "model_type": family.model_types[0],
