@@ -21,7 +21,7 @@ def test_all_kernels_compile_for_hopper():
     total = int(proc.stdout.strip().splitlines()[-1].split()[0])  # "N variants compiled"
     assert len(lines) == total > 30, proc.stdout
     for kernel in ("decode", "prefill", "merge splits", "store_kv_cache", "sample", "fused_moe",
-                   "lora_shrink", "lora_expand"):
+                   "lora_shrink", "lora_expand", "sgmv_shrink", "sgmv_expand"):
         assert any(kernel in line for line in lines), kernel
     # every prefill autotuning config, in every dtype
     for dtype, configs in (("bf16", len(prefill_attention.tuning_space(False))), ("fp16", 1),

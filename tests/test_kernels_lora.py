@@ -32,3 +32,34 @@ def test_shrink_and_expand_match_the_reference(device, dtype, rank):
     base = torch.randn(tokens, offset + n + 4, generator=g).to(device=device, dtype=dtype)
     torch.testing.assert_close(y[1], expect[1])  # the base row: untouched by both
     assert base.shape == y.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_segmented_form_matches_the_reference(device, dtype):
+    """SGMV: runs of rows sharing an adapter, cut into 16-row tiles (a run of 21 rows: a full
+    tile and a partial one), equal the per-row reference; rows no tile covers stay as they
+    were (zeros from the shrink, untouched by the expand)."""
+    g = torch.Generator().manual_seed(7)
+    rank, k, n, offset = 12, 40, 24, 8
+    runs = [(0, 21, 1), (21, 3, 0), (26, 1, 2)]  # rows 24, 25: the base
+    tokens = 27
+    slots = torch.full((tokens,), -1, dtype=torch.int32)
+    for first, count, slot in runs:
+        slots[first:first + count] = slot
+    x = torch.randn(tokens, k, generator=g).to(device=device, dtype=dtype)
+    a = torch.randn(3, rank, k, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(3, n, rank, generator=g).to(device=device, dtype=dtype)
+    tiles = lora.sgmv_tiles(runs, device)
+    assert tiles.tolist() == [[0, 16, 1], [16, 5, 1], [21, 3, 0], [26, 1, 2]]
+    xa = lora.sgmv_shrink(x, a, tiles)
+    want = reference.lora_shrink(x, a, slots.to(device))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(xa, want, rtol=tol, atol=tol)
+    assert torch.all(xa[24:26] == 0)
+    y = torch.randn(tokens, offset + n + 4, generator=g).to(device=device, dtype=dtype)
+    expect = y.clone()
+    reference.lora_expand(expect, want, b, slots.to(device), offset)
+    before = y.clone()
+    lora.sgmv_expand(y, xa, b, tiles, offset)
+    torch.testing.assert_close(y.float(), expect.float(), rtol=tol, atol=tol * 10)
+    assert torch.equal(y[24:26], before[24:26]) and not torch.equal(y[:24], before[:24])

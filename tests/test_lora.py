@@ -396,32 +396,47 @@ def test_max_loras_caps_the_adapters_a_step_holds(tiny_model, adapters):
 def test_the_triton_path_adds_every_rows_adapter_through_the_kernels(tiny_model, adapters):
     """attention_backend triton (interpreted here): a step's adapters stacked by slot
     (engine/lora.py's LoraStack) and added by kernels/triton/lora.py's shrink and expand, one
-    launch a part for every row; a batch of base, a0 and a1 rows gives the torch path's
-    tokens, which differ between the adapters."""
+    launch a part for every row (decode steps), or the segmented form a tile of a run's rows
+    (the prefill, whose long prompt's run is past SGMV_MIN_ROWS); a batch of base, a0 and a1
+    rows gives the torch path's tokens, which differ between the adapters."""
     from tritonserve.engine import lora
     from tritonserve.kernels.triton import lora as kernels
 
     modules = _modules(adapters)
-    prompts = ["Hello world", "def main():"]
+    prompts = ["Hello world", "Stop strings like ### or END may span several tokens. " * 2]
     names = [None, "a0", "a1", "a1"]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     batch = [prompts[i % 2] for i in range(4)]
     want = LLM(tiny_model, dtype="float32", lora_modules=modules,
                attention_backend="torch").generate(batch, params, lora=names)
     llm = LLM(tiny_model, dtype="float32", lora_modules=modules, attention_backend="triton")
-    calls = []
-    shrink = kernels.lora_shrink
+    calls, segmented = [], []
+    shrink, sgmv = kernels.lora_shrink, kernels.sgmv_shrink
 
     def counted(x, a, slots, *args):
         calls.append(slots.tolist())
         return shrink(x, a, slots, *args)
 
-    kernels.lora_shrink = counted
+    def counted_sgmv(x, a, tiles, *args):
+        segmented.append(tiles.tolist())
+        return sgmv(x, a, tiles, *args)
+
+    kernels.lora_shrink, kernels.sgmv_shrink = counted, counted_sgmv
     try:
         got = llm.generate(batch, params, lora=names)
     finally:
-        kernels.lora_shrink = shrink
+        kernels.lora_shrink, kernels.sgmv_shrink = shrink, sgmv
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    long_rows = len(llm.tokenizer.encode(prompts[1]))
+    assert long_rows >= kernels.SGMV_BLOCK_M + 2  # a run of two tiles, the second partial
+    # the prefill: the adapter requests' rows (a0: the long prompt; a1: both) in tiles of at
+    # most 16 rows of one run, none shared; the base request's rows in none
+    lengths = [len(llm.tokenizer.encode(batch[i])) for i in range(4)]
+    (tiles,) = segmented[:1]
+    covered = [r for first, count, _ in tiles for r in range(first, first + count)]
+    assert len(covered) == len(set(covered)) == sum(lengths[1:])
+    assert all(0 < count <= kernels.SGMV_BLOCK_M and slot >= 0 for _, count, slot in tiles)
+    assert sorted(count for _, count, _ in tiles).count(kernels.SGMV_BLOCK_M) >= 2
     # the same prompt: base vs a1 (rows 0, 2), a0 vs a1 (rows 1, 3)
     assert want[0].token_ids != want[2].token_ids and want[1].token_ids != want[3].token_ids
     assert any(-1 in c and 0 in c and 1 in c for c in calls)  # mixed rows in one launch

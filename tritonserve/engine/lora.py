@@ -204,17 +204,19 @@ class LoraBatch:
     """A step's adapters: (adapter, the hidden-state rows of its requests). stack / slots:
     the Triton path, where the step adds through kernels/triton/lora.py (punica's BGMV: every
     row's adapter in one shrink and one expand launch a part) instead of a matmul pair an
-    adapter; both made once a step by batch_of."""
+    adapter; tiles, when a run of rows is long (a prefill chunk), its segmented form (SGMV);
+    all made once a step by batch_of."""
 
     groups: tuple[tuple[LoraAdapter, torch.Tensor | slice], ...]  # rows: a slice if in a run
     stack: "LoraStack | None" = None  # the groups' adapters stacked by slot
     slots: torch.Tensor | None = None  # each row's slot (its group's index), -1 for the base
+    tiles: torch.Tensor | None = None  # SGMV's (first row, rows, slot) tiles; None: BGMV
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, group: str) -> None:
         """out[rows, offset:offset + n] += x[rows] @ A.T @ B.T for each adapter's part (the
         group's A in one matmul)."""
         if self.stack is not None:
-            return self.stack.add(out, x, self.slots, layer, group)
+            return self.stack.add(out, x, self.slots, layer, group, self.tiles)
         for adapter, rows in self.groups:
             stacked = adapter.groups.get((layer, group))
             if stacked is None:
@@ -279,12 +281,18 @@ class LoraStack:
         return cls._made[key]
 
     def add(self, out: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, layer: int,
-            group: str) -> None:
+            group: str, tiles: torch.Tensor | None = None) -> None:
+        """tiles: the segmented kernels' (SGMV) tiles of the same rows, else BGMV by slots."""
         from tritonserve.kernels.triton import lora as kernels
         found = self.parts.get((layer, group))
         if found is None:
             return
         a_stack, outputs = found
+        if tiles is not None:
+            xa = kernels.sgmv_shrink(x.contiguous(), a_stack, tiles)
+            for offset, b_stack in outputs:
+                kernels.sgmv_expand(out, xa, b_stack, tiles, offset)
+            return
         xa = kernels.lora_shrink(x.contiguous(), a_stack, slots)
         for offset, b_stack in outputs:
             kernels.lora_expand(out, xa, b_stack, slots, offset)
@@ -299,20 +307,28 @@ def batch_of(adapters: list[LoraAdapter | None], rows_per: list[int],
         return None
     rows: dict[str, list[int]] = {}
     by_name: dict[str, LoraAdapter] = {}
+    runs: list[tuple[int, int, str]] = []  # each request's rows: (first, count, adapter)
     start = 0
     for adapter, count in zip(adapters, rows_per):
         if adapter is not None:
             rows.setdefault(adapter.name, []).extend(range(start, start + count))
             by_name[adapter.name] = adapter
+            runs.append((start, count, adapter.name))
         start += count
     groups = tuple((by_name[name], _rows(r)) for name, r in rows.items())
     if kernels_on is None:
         return LoraBatch(groups)
+    from tritonserve.kernels.triton.lora import SGMV_MIN_ROWS, sgmv_tiles
     slots = torch.full((start,), -1, dtype=torch.int32)
     for slot, (_, where) in enumerate(groups):
         slots[where] = slot
+    tiles = None
+    if max(count for _, count, _ in runs) >= SGMV_MIN_ROWS:
+        slot_of = {name: slot for slot, name in enumerate(rows)}
+        tiles = sgmv_tiles([(first, count, slot_of[name]) for first, count, name in runs
+                            if count], kernels_on)
     return LoraBatch(groups, LoraStack.of(tuple(a for a, _ in groups), kernels_on),
-                     slots.to(kernels_on))
+                     slots.to(kernels_on), tiles)
 
 
 def _rows(rows: list[int]) -> torch.Tensor | slice:

@@ -21,7 +21,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from .decode_attention import MAX_SPLITS, _decode_kernel, _merge_splits_kernel  # noqa: E402
 from .fused_moe import _moe_gemm_kernel  # noqa: E402
 from .kv_cache_write import _store_kv_int8_kernel, _store_kv_kernel  # noqa: E402
-from .lora import _expand_kernel, _shrink_kernel  # noqa: E402
+from .lora import (SGMV_BLOCK_M, _expand_kernel, _sgmv_expand_kernel,  # noqa: E402
+                   _sgmv_shrink_kernel, _shrink_kernel)
 from .prefill_attention import _prefill_kernel, tuning_space  # noqa: E402
 from .quant_matmul import KINDS, _quant_matmul_kernel, block_shape, kernel_args  # noqa: E402
 from .sampling import _BISECTION_STEPS, _ONE_BITS_PLUS_ONE, _sample_kernel  # noqa: E402
@@ -156,6 +157,17 @@ def variants():
         yield (f"lora_expand {dtype}", _expand_kernel,
                {"xa_ptr": "*fp32", "b_ptr": f"*{dtype}", "slot_ptr": "*i32",
                 "y_ptr": f"*{dtype}"}, {}, dict(BLOCK_N=64, BLOCK_R=16), {})
+        # the segmented form (SGMV) for prefill runs: tl.dot on the adapter's dtype
+        yield (f"sgmv_shrink {dtype}", _sgmv_shrink_kernel,
+               {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "tile_ptr": "*i32",
+                "out_ptr": "*fp32"}, {},
+               dict(BLOCK_M=SGMV_BLOCK_M, BLOCK_R=16, BLOCK_K=32, FP32=False,
+                    PRECISION="tf32"), {})
+        yield (f"sgmv_expand {dtype}", _sgmv_expand_kernel,
+               {"xa_ptr": "*fp32", "b_ptr": f"*{dtype}", "tile_ptr": "*i32",
+                "y_ptr": f"*{dtype}"}, {},
+               dict(BLOCK_M=SGMV_BLOCK_M, BLOCK_N=64, BLOCK_R=16, FP32=False,
+                    PRECISION="tf32"), {})
     for rows, block_v in ((1, 4096), (16, 1024)):
         yield (f"sample rows{rows} chunk{block_v}", _sample_kernel,
                {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "top_k_ptr": "*i32",
