@@ -64,3 +64,31 @@ def test_shared_prefix_requests_reuse_their_system_prompts():
     assert all(r.input_len == 16 and r.output_len == 5 for r in requests)
     assert [r.prompt for r in requests] == [r.prompt for r in shared_prefix_requests(
         40, num_prefixes=3, prefix_len=12, input_len=4, output_len=5, seed=1)]
+
+
+def test_a_model_list_is_taken_in_turn(monkeypatch):
+    """--model a0,a1,a2 (LoRA adapters): request i names model i mod 3."""
+    import argparse
+    import asyncio
+
+    from tritonserve.bench import serve
+    from tritonserve.bench.workload import random_requests
+    sent = []
+
+    async def fake_send(session, base_url, endpoint, req, model, ignore_eos, sampling):
+        sent.append((req.prompt, model))
+        return None
+
+    async def no_counters(session, base_url):
+        return None
+
+    monkeypatch.setattr(serve, "send", fake_send)
+    monkeypatch.setattr(serve, "spec_counters", no_counters)
+    monkeypatch.setattr(serve.Progress, "update", lambda self, record: None)
+    requests = random_requests(7, 4, 2, seed=1)
+    args = argparse.Namespace(request_rate=None, seed=0, max_concurrency=2, timeout=10,
+                              base_url="http://unused", endpoint="completions",
+                              model="a0,a1,a2", no_ignore_eos=False, temperature=None,
+                              top_p=None)
+    asyncio.run(serve.run(args, requests))
+    assert sorted(sent) == sorted((r.prompt, f"a{i % 3}") for i, r in enumerate(requests))

@@ -166,9 +166,11 @@ async def run(args, requests) -> tuple[list[RequestRecord], float, dict | None]:
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        async def one(req):
+        models = args.model.split(",") if args.model else [None]
+
+        async def one(req, model):
             async with limit:
-                record = await send(session, args.base_url, args.endpoint, req, args.model,
+                record = await send(session, args.base_url, args.endpoint, req, model,
                                     not args.no_ignore_eos, sampling_fields(args))
             progress.update(record)
             return record
@@ -176,10 +178,10 @@ async def run(args, requests) -> tuple[list[RequestRecord], float, dict | None]:
         before = await spec_counters(session, args.base_url)
         start = time.perf_counter()
         tasks = []
-        for req, gap in zip(requests, gaps):
+        for i, (req, gap) in enumerate(zip(requests, gaps)):
             if gap:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(req)))
+            tasks.append(asyncio.create_task(one(req, models[i % len(models)])))
         records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         return list(records), duration, speculation(before, await spec_counters(
@@ -212,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prefixes", type=int, default=8)
     p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--tokenizer", default=None, help="HF folder for token-length prompts")
-    p.add_argument("--model", default=None, help="model name for the OpenAI routes")
+    p.add_argument("--model", default=None, help="model name for the OpenAI routes; a "
+                   "comma-separated list: the requests take them in turn (LoRA adapters)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS")
     p.add_argument("--result-json", default=None)
