@@ -17,7 +17,7 @@ from tritonserve.server.common import STATE
 from tritonserve.server.harmony import HarmonyStream, is_harmony
 from tritonserve.server.schema import ChatCompletionRequest
 from tests.server_util import ServerThread, request
-from tests.test_chat_features import TIME, WEATHER, Script, gathered
+from tests.test_chat_features import TIME, WEATHER, Script, ask, gathered
 from tests.tiny_models import write_tiny_model
 
 HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
@@ -77,12 +77,6 @@ def gpt_oss(tmp_path_factory):
 def client(gpt_oss):
     openai = pytest.importorskip("openai")
     return openai.OpenAI(base_url=gpt_oss[0].url + "/v1", api_key="unused", max_retries=0)
-
-
-def ask(client, **options):
-    options.setdefault("messages", [{"role": "user", "content": "Weather in Paris?"}])
-    options.setdefault("max_tokens", 200)
-    return client.chat.completions.create(model=client.models.list().data[0].id, **options)
 
 
 def test_analysis_is_reasoning_and_final_is_content(gpt_oss, client):

@@ -94,28 +94,45 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, slots: torch
 
 
 @triton.jit
+def _tile(tile_ptr):
+    """This program's tile of sgmv_tiles: (first row, rows, slot)."""
+    tile = tl.program_id(0)
+    return (tl.load(tile_ptr + 3 * tile), tl.load(tile_ptr + 3 * tile + 1),
+            tl.load(tile_ptr + 3 * tile + 2))
+
+
+@triton.jit
+def _rows_by_wt(rows_ptr, stride_rows, first, m_mask, w_ptr, stride_w, out, out_mask, INNER,
+                BLOCK_M: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_IN: tl.constexpr,
+                FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """A tile's rows [first, first + BLOCK_M) of `rows` ([., INNER]) times W^T, W [OUT, INNER]
+    (the tile's adapter's A or B): acc [BLOCK_M, BLOCK_OUT] in fp32 over the columns `out`."""
+    m = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_OUT], dtype=tl.float32)
+    for i0 in range(0, INNER, BLOCK_IN):
+        i = i0 + tl.arange(0, BLOCK_IN)
+        i_mask = i < INNER
+        xv = tl.load(rows_ptr + (first + m)[:, None] * stride_rows + i[None, :],
+                     mask=m_mask[:, None] & i_mask[None, :], other=0.0)
+        wv = tl.load(w_ptr + out[None, :] * stride_w + i[:, None],
+                     mask=i_mask[:, None] & out_mask[None, :], other=0.0)  # W^T block
+        if FP32:
+            acc += tl.dot(xv.to(tl.float32), wv.to(tl.float32), input_precision=PRECISION)
+        else:  # the tensor cores take the adapter's dtype (xa is fp32)
+            acc += tl.dot(xv.to(wv.dtype), wv, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _sgmv_shrink_kernel(x_ptr, a_ptr, tile_ptr, out_ptr, K, R, stride_x, stride_a_slot,
                         stride_a_r, stride_out, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_K: tl.constexpr, FP32: tl.constexpr, PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    first = tl.load(tile_ptr + 3 * tile)
-    count = tl.load(tile_ptr + 3 * tile + 1)
-    slot = tl.load(tile_ptr + 3 * tile + 2)
+    first, count, slot = _tile(tile_ptr)
     m = tl.arange(0, BLOCK_M)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     m_mask, r_mask = m < count, r < R
-    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        xv = tl.load(x_ptr + (first + m)[:, None] * stride_x + k[None, :],
-                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        av = tl.load(a_ptr + slot * stride_a_slot + r[None, :] * stride_a_r + k[:, None],
-                     mask=k_mask[:, None] & r_mask[None, :], other=0.0)  # A^T [BLOCK_K, R]
-        if FP32:
-            acc += tl.dot(xv.to(tl.float32), av.to(tl.float32), input_precision=PRECISION)
-        else:
-            acc += tl.dot(xv, av.to(xv.dtype), input_precision=PRECISION)
+    acc = _rows_by_wt(x_ptr, stride_x, first, m_mask, a_ptr + slot * stride_a_slot, stride_a_r,
+                      r, r_mask, K, BLOCK_M, BLOCK_R, BLOCK_K, FP32, PRECISION)
     tl.store(out_ptr + (first + m)[:, None] * stride_out + r[None, :], acc,
              mask=m_mask[:, None] & r_mask[None, :])
 
@@ -125,25 +142,12 @@ def _sgmv_expand_kernel(xa_ptr, b_ptr, tile_ptr, y_ptr, R, N, offset, stride_xa,
                         stride_b_slot, stride_b_n, stride_y, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FP32: tl.constexpr,
                         PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    first = tl.load(tile_ptr + 3 * tile)
-    count = tl.load(tile_ptr + 3 * tile + 1)
-    slot = tl.load(tile_ptr + 3 * tile + 2)
+    first, count, slot = _tile(tile_ptr)
     m = tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = m < count, n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = r < R
-        xv = tl.load(xa_ptr + (first + m)[:, None] * stride_xa + r[None, :],
-                     mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        bv = tl.load(b_ptr + slot * stride_b_slot + n[None, :] * stride_b_n + r[:, None],
-                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # B^T [R, BLOCK_N]
-        if FP32:
-            acc += tl.dot(xv, bv.to(tl.float32), input_precision=PRECISION)
-        else:  # xa is fp32; the tensor cores take the adapter's dtype
-            acc += tl.dot(xv.to(bv.dtype), bv, input_precision=PRECISION)
+    acc = _rows_by_wt(xa_ptr, stride_xa, first, m_mask, b_ptr + slot * stride_b_slot,
+                      stride_b_n, n, n_mask, R, BLOCK_M, BLOCK_N, BLOCK_R, FP32, PRECISION)
     mask = m_mask[:, None] & n_mask[None, :]
     y = y_ptr + (first + m)[:, None] * stride_y + offset + n[None, :]
     old = tl.load(y, mask=mask, other=0.0)
