@@ -231,3 +231,33 @@ def test_a_gguf_file_ends_a_turn_at_return_and_at_call(tmp_path):
     eos = config_of(meta, family, architecture)["eos_token_id"]
     assert set(eos) == {tokens.index("<|im_end|>"), tokens.index("<|return|>"),
                         tokens.index("<|call|>")}
+
+
+def test_earlier_reasoning_from_every_api_reaches_the_template(gpt_oss):
+    """A Responses reasoning item and an Anthropic thinking block before a call become the
+    turn's reasoning_content, which gpt-oss's template keeps before the call (its analysis)."""
+    from tritonserve.server.messages_input import MessagesRequest, _chat_messages
+    from tritonserve.server.responses_input import ResponsesRequest, input_messages
+    srv, _ = gpt_oss
+    analysis = ("<|start|>assistant<|channel|>analysis<|message|>Need the tool.<|end|>"
+                "<|start|>assistant to=functions.get_weather")
+    responses = input_messages(ResponsesRequest(model="m", input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Need the tool."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]))
+    anthropic = _chat_messages(MessagesRequest(model="m", max_tokens=10, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Need the tool.", "signature": "x"},
+            {"type": "tool_use", "id": "call_1", "name": "get_weather",
+             "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "call_1", "content": "sunny"}]}]))
+    for messages in (responses, anthropic):
+        body = ChatCompletionRequest(messages=messages, tools=[WEATHER])
+        text = srv.app[STATE].template.render(
+            srv.engine.tokenizer, [m.for_template() for m in body.messages], body.tools, {})
+        assert analysis in text

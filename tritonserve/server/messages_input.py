@@ -1,7 +1,7 @@
 """What an Anthropic Messages request becomes before it is a chat request: its schema (content
 blocks lenient about fields we do not use, such as cache_control), its system and blocks as
 chat messages (tool_use as the assistant's tool_calls, tool_result as tool messages; earlier
-thinking dropped), its client tools and tool_choice in chat's shape, and `thinking` as the
+thinking as the turn's reasoning_content, which the template keeps or drops), its client tools and tool_choice in chat's shape, and `thinking` as the
 template's enable_thinking. The route and its stream are server/messages_api.py.
 """
 from __future__ import annotations
@@ -47,6 +47,7 @@ class ToolResultBlock(Lenient):
 
 class ThinkingBlock(Lenient):
     type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None  # redacted_thinking carries only data
 
 
 ContentBlock = Annotated[Union[TextBlock, MediaBlock, ToolUseBlock, ToolResultBlock,
@@ -100,7 +101,7 @@ def _chat_messages(body: MessagesRequest) -> list[dict]:
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
-        texts, calls = [], []
+        texts, calls, thinking = [], [], []
         for j, block in enumerate(message.content):
             where = f"messages.{i}.content.{j}"
             if isinstance(block, TextBlock):
@@ -113,11 +114,14 @@ def _chat_messages(body: MessagesRequest) -> list[dict]:
                             "content": _text(block.content, f"{where}.content")})
             elif isinstance(block, MediaBlock):
                 _text([block], f"messages.{i}.content")
-            # thinking blocks of earlier turns are dropped, as chat templates drop them
+            elif isinstance(block, ThinkingBlock) and block.thinking:
+                thinking.append(block.thinking)
         if texts or calls:
             entry = {"role": message.role, "content": "\n".join(texts)}
             if calls:
                 entry["tool_calls"] = calls
+            if thinking:  # the template decides (gpt-oss keeps it before a call)
+                entry["reasoning_content"] = "\n".join(thinking)
             out.append(entry)
     return out
 

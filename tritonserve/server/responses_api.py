@@ -103,6 +103,9 @@ class ResponsesRenderer(Renderer):
                      for b in blocks if b.kind not in (REASONING, TEXT)]
             if calls:
                 answer["tool_calls"] = calls
+            thinking = "".join(b.text for b in blocks if b.kind == REASONING)
+            if thinking:  # the template decides (gpt-oss keeps it before a call)
+                answer["reasoning_content"] = thinking
             self.store.put(Stored(response, (*self.conversation, answer)))
         return response
 

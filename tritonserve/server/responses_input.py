@@ -1,6 +1,6 @@
 """What a Responses API request becomes before it is a chat request: its schema, its input
-items as chat messages (text, function_call, function_call_output; instructions as the
-system message), its function tools and tool_choice in chat's shape, text.format as chat's
+items as chat messages (text, function_call, function_call_output; a reasoning item as the
+next assistant turn's reasoning_content; instructions as the system message), its function tools and tool_choice in chat's shape, text.format as chat's
 response_format, and the conversation of `previous_response_id` from a bounded in-memory
 store (ResponseStore; `store: false` keeps a response out of it). The route and its stream
 are server/responses_api.py.
@@ -117,6 +117,7 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     out: list[dict] = []
+    reasoning: list[str] = []  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(body.input):
         field = f"input.{i}"
         kind = item.get("type", "message") if isinstance(item, dict) else None
@@ -127,6 +128,8 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
                                f"or assistant, got {role!r}", f"{field}.role")
             out.append({"role": role, "content": _part_text(item.get("content", ""),
                                                             f"{field}.content")})
+            if role == "assistant" and reasoning:
+                out[-1]["reasoning_content"], reasoning = "\n".join(reasoning), []
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function", "function": {
                 "name": item.get("name"), "arguments": item.get("arguments", "")}}
@@ -137,12 +140,17 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if reasoning:
+                    out[-1]["reasoning_content"], reasoning = "\n".join(reasoning), []
         elif kind == "function_call_output":
             output = item.get("output", "")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
                         "content": _part_text(output, f"{field}.output")})
-        elif kind == "reasoning":
-            continue  # earlier reasoning is not shown again, as chat templates drop it
+        elif kind == "reasoning":  # reasoning_content of the assistant turn that follows:
+            # the template decides (most drop it; gpt-oss keeps it before a call)
+            reasoning += [part["text"] for part in (item.get("content") or item.get("summary")
+                                                    or []) if isinstance(part, dict)
+                          and isinstance(part.get("text"), str)]
         else:
             raise ApiError(400, "invalid_request", f"input items of type {kind!r} are not "
                            "supported", f"{field}.type")
