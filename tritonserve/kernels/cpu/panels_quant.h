@@ -51,10 +51,11 @@ constexpr int kRows = 8;  // rows a register tile: 8 group sums + 8 totals
 // measured slower: kAheadBytes' harness with fp32 x, seven alternations, medians 3.5-4.4 against
 // 3.8-6.0 ms a pass.
 constexpr int64_t kFp32Ahead = 8;
-// Up to this many rows a tile keeps two chains of sums a row (even and odd k pairs): one chain
-// of a group's 16 dependent vdpbf16ps (or 32 FMAs) a row left batch 1 waiting on latency.
-// One row keeps four in the bf16 tile: SmolLM2's 120 Q4_1 layer matmuls on huge pages
-// (2 threads, Zen 4) 2.09 -> 1.85 ms a pass, 31.7 -> 36 GB/s.
+// Up to this many rows a tile keeps several chains of sums a row: one chain of a group's 16
+// dependent vdpbf16ps (or 32 FMAs) a row left batch 1 waiting on latency. The bf16 tile keeps
+// four: SmolLM2's 120 Q4_1 layer matmuls on huge pages (2 threads, Zen 4) 2.09 -> 1.85 ms a
+// pass, 31.7 -> 36 GB/s; the AVX-512 fp32 tile four too (it kept two: see its tile), AVX2's
+// two (each a pair of 8-lane halves: four chains of registers).
 constexpr int kSplit = 4;
 
 // The kinds by their ids in kernels/quant_layout.py's KINDS table (which quant_kinds() in
@@ -115,42 +116,56 @@ inline float half(const uint8_t* p, int64_t c) {
 }
 
 #ifdef TS_AVX512
+// Up to kSplit rows a row keeps four chains of sums a group (k pair j's even k on chain
+// 2 (j % 2), its odd k on the next), summed ((0 + 1) + 2) + 3 at the group's end. Two chains
+// left batch 1 waiting on FMA latency: a u4 matmul at 1 row (packed_linear_quant, 512 x 1024
+// to 1536 x 576, 64 weights cycled so each is cold, 2-core Zen 4) read 13-20 GB/s with two,
+// 21-23 with four (s8h: 18-28 either way, noisy).
 template <int R, Kind kind>
 inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const uint8_t* w,
                  float* y, int64_t ldy, int64_t ncols) {
   constexpr int64_t bytes = record_bytes(kind);
+  constexpr int C = R <= kSplit ? 4 : 1;  // chains a row
   __m512 tot[R];
   for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi32(15);
+  __m512 ch[R][C];
+  const auto clear = [&] {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) ch[r][c] = _mm512_setzero_ps();
+  };
+  const auto sum = [&](int r) {  // a row's chains, in one order for every R <= kSplit
+    if constexpr (C == 4)
+      return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(ch[r][0], ch[r][1]), ch[r][2]),
+                           ch[r][3]);
+    else
+      return ch[r][0];
+  };
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* rec = w + g * bytes;
     // past the panel's end: the next panel's records, which follow in memory
     for (int64_t line = 0; line < bytes; line += 64)
       __builtin_prefetch(rec + kFp32Ahead * bytes + line, 0, 3);
     const float* xg = x + g * kGroup;
-    // two chains a row for few rows (kSplit), summed at the group's end
-    __m512 acc[R], acc1[R];
-    __m512(&odd)[R] = R <= kSplit ? acc1 : acc;
-    for (int r = 0; r < R; ++r) acc[r] = acc1[r] = _mm512_setzero_ps();
+    clear();
     if constexpr (kind == Kind::kU4) {
-#pragma GCC unroll 4
+#pragma GCC unroll 16
       for (int j = 0; j < 16; ++j) {
         const __m512i v = _mm512_srli_epi32(
             _mm512_loadu_si512(rec + 64 + 64 * (j / 4)), 4 * (j % 4));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 16), low));
+        const int c0 = C == 4 ? 2 * (j % 2) : 0, c1 = C == 4 ? c0 + 1 : 0;
         for (int r = 0; r < R; ++r) {
-          acc[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xg[r * ldx + 2 * j]), acc[r]);
-          odd[r] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xg[r * ldx + 2 * j + 1]), odd[r]);
+          ch[r][c0] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xg[r * ldx + 2 * j]), ch[r][c0]);
+          ch[r][c1] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xg[r * ldx + 2 * j + 1]), ch[r][c1]);
         }
       }
-      if constexpr (R <= kSplit)
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], acc1[r]);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
       const __m512 m =
           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
       for (int r = 0; r < R; ++r) {
-        tot[r] = _mm512_fmadd_ps(d, acc[r], tot[r]);
+        tot[r] = _mm512_fmadd_ps(d, sum(r), tot[r]);
         tot[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * G + g]), tot[r]);
       }
     } else {  // s8 kinds: each scale group's k (all 32, or 16 a half) summed, then scaled
@@ -158,27 +173,25 @@ inline void tile(const float* x, int64_t ldx, const float* xs, int64_t G, const 
       const uint8_t* codes = rec + codes_at(kind);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
       for (int h = 0; h < H; ++h) {
-        if (h)
-          for (int r = 0; r < R; ++r) acc[r] = acc1[r] = _mm512_setzero_ps();
-#pragma GCC unroll 4
+        if (h) clear();
+#pragma GCC unroll 16
         for (int k = h * span; k < (h + 1) * span; k += 2) {
           const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * k))));
           const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * k + 16))));
+          const int c0 = C == 4 ? 2 * ((k / 2) % 2) : 0, c1 = C == 4 ? c0 + 1 : 0;
           for (int r = 0; r < R; ++r) {
-            acc[r] = _mm512_fmadd_ps(v, _mm512_set1_ps(xg[r * ldx + k]), acc[r]);
-            odd[r] = _mm512_fmadd_ps(u, _mm512_set1_ps(xg[r * ldx + k + 1]), odd[r]);
+            ch[r][c0] = _mm512_fmadd_ps(v, _mm512_set1_ps(xg[r * ldx + k]), ch[r][c0]);
+            ch[r][c1] = _mm512_fmadd_ps(u, _mm512_set1_ps(xg[r * ldx + k + 1]), ch[r][c1]);
           }
         }
-        if constexpr (R <= kSplit)
-          for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], acc1[r]);
         __m512 dh = d;
         if constexpr (H == 2)
           dh = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(
                                         codes - 32 + 16 * h)))));
-        for (int r = 0; r < R; ++r) tot[r] = _mm512_fmadd_ps(dh, acc[r], tot[r]);
+        for (int r = 0; r < R; ++r) tot[r] = _mm512_fmadd_ps(dh, sum(r), tot[r]);
       }
       if constexpr (has_offset(kind)) {
         const __m512 m =
