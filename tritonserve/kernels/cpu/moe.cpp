@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "owned_panels.h"
@@ -273,8 +274,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t i = 0; i < T * k; ++i) order[fill[idp[i]]++] = i;
   float* op = out.data_ptr<float>();
-  if (batched_form(x, gate_up, H) && batched_form(x, down, inter) &&
-      gate_up.scalar_type() == down.scalar_type()) {
+  // the batched forms' chosen experts (their bytes counted) and gathered rows: row i of the
+  // grouped matrix is choice order[i]'s token
+  const auto grouped = [&] {
     Groups g;
     g.at.push_back(0);
     for (int64_t e = 0; e < E; ++e)
@@ -283,11 +285,18 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
         g.at.push_back(g.at.back() + start[e + 1] - start[e]);
         g_bytes_read += gate_up[e].nbytes() + down[e].nbytes();
       }
-    // gathered rows: row i of the grouped matrix is choice order[i]'s token
-    std::vector<float> xg(T * k * H);
-    const float* xp = x.data_ptr<float>();
+    return g;
+  };
+  const auto gathered = [&](const auto* xp) {
+    std::vector<std::remove_const_t<std::remove_pointer_t<decltype(xp)>>> xg(T * k * H);
     for (int64_t i = 0; i < T * k; ++i)
-      std::memcpy(xg.data() + i * H, xp + order[i] / k * H, H * sizeof(float));
+      std::memcpy(xg.data() + i * H, xp + order[i] / k * H, H * sizeof(xg[0]));
+    return xg;
+  };
+  if (batched_form(x, gate_up, H) && batched_form(x, down, inter) &&
+      gate_up.scalar_type() == down.scalar_type()) {
+    const Groups g = grouped();
+    const auto xg = gathered(x.data_ptr<float>());
     const auto y = Fp32Experts{gate_up, down, inter, H, gu_bp, d_bp, activation}.run(
         g, xg.data());
     for (int64_t i = 0; i < T * k; ++i) {  // experts in index order, as the reference sums
@@ -304,18 +313,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
            w.size(2) * tritonserve_panels_quant::kGroup == K;
   };
   if (x.scalar_type() == torch::kBFloat16 && quant_form(gate_up, H) && quant_form(down, inter)) {
-    Groups g;
-    g.at.push_back(0);
-    for (int64_t e = 0; e < E; ++e)
-      if (start[e + 1] > start[e]) {
-        g.expert.push_back(e);
-        g.at.push_back(g.at.back() + start[e + 1] - start[e]);
-        g_bytes_read += gate_up[e].nbytes() + down[e].nbytes();
-      }
-    std::vector<uint16_t> xg(T * k * H);
-    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < T * k; ++i)
-      std::memcpy(xg.data() + i * H, xp + order[i] / k * H, H * sizeof(uint16_t));
+    const Groups g = grouped();
+    const auto xg = gathered(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()));
     const auto y = Bf16QuantExperts{gate_up, down, inter, H, gu_bp, activation}.run(
         g, xg.data());
     for (int64_t i = 0; i < T * k; ++i) {  // experts in index order, as the reference sums
