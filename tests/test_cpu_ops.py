@@ -157,8 +157,8 @@ def test_cpu_prefill_matches_reference(group, shapes, block_size, head_dim, dtyp
 
     if not as_decode:
         monkeypatch.setattr(attention, "PREFILL_AS_DECODE_MAX", 0)
-    else:  # the rows whatever the context (fp32 long ones take SDPA by default)
-        monkeypatch.setattr(attention, "PREFILL_SDPA_FP32_CONTEXT", 1 << 30)
+    else:  # the rows whatever the context (long fp32 / bf16 ones take SDPA by default)
+        monkeypatch.setattr(attention, "PREFILL_SDPA_CONTEXT", 1 << 30)
     kv_heads = 2
     seq_lens = [s for _, s in shapes]
     pool = sum(-(-n // block_size) for n in seq_lens) + 7
@@ -179,9 +179,11 @@ def test_cpu_prefill_matches_reference(group, shapes, block_size, head_dim, dtyp
 @pytest.mark.parametrize("dtype, lens, rows", [
     (torch.float32, [300, 260], False),  # long fp32 contexts: SDPA's GEMMs
     (torch.float32, [64] * 8, True),  # short sequences: the rows (SDPA loops per sequence)
-    (torch.bfloat16, [300, 260], True),  # bf16 keeps the rows (its own kernel on AVX512-BF16)
+    (torch.bfloat16, [300, 260], False),  # long bf16 contexts: SDPA's bf16 kernels
+    (torch.bfloat16, [64] * 8, True),
+    (torch.float16, [300, 260], True),  # fp16 keeps the rows
 ])
-def test_cpu_prefill_picks_sdpa_for_long_fp32_contexts(dtype, lens, rows, monkeypatch):
+def test_cpu_prefill_picks_sdpa_for_long_contexts(dtype, lens, rows, monkeypatch):
     from tritonserve.engine import attention
     chose = []
     monkeypatch.setattr(attention.TorchAttention, "prefill",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tritonserve.engine import LLM
-from tritonserve.engine.huge_pages import ALIGN, gather, huge_page_bytes
+from tritonserve.engine.huge_pages import ALIGN, HUGE_PAGE, gather, huge_page_bytes
 from tritonserve.engine.models.linear import Linear, weight_form
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -41,3 +41,17 @@ def test_the_engines_packed_weights_share_the_buffer(tiny_model):
               if isinstance(m, Linear) and weight_form(m.weight) == "panels"]
     assert len(packed) >= 4
     assert len({w.untyped_storage().data_ptr() for w in packed}) == 1
+
+
+def test_an_adapters_packed_blob_is_gathered_too(tiny_model, tmp_path):
+    """A decode step streams an adapter's whole packed blob beside the base weights
+    (engine/lora.py): it lives in an arena of its own, on huge pages where THP is on."""
+    pytest.importorskip("peft")
+    from tests.test_lora import make_adapter
+    adapter, _ = make_adapter(tiny_model, tmp_path, seed=1)
+    llm = LLM(tiny_model, dtype="float32", max_num_seqs=2, lora_modules=(f"a0={adapter}",))
+    engine = llm.engine
+    blob, index = engine.loras["a0"].packed(engine.arch.num_layers)
+    assert blob.data_ptr() % HUGE_PAGE == 0  # the arena's first view starts on a huge page
+    assert blob.untyped_storage().nbytes() % HUGE_PAGE == 0
+    assert int(index[:, 1].max()) > 0 and bool(blob.abs().sum() > 0)

@@ -174,13 +174,15 @@ class ThroughOps(AttentionBackend):
 # 3.92, 2 of 2,000 3.50 -> 2.50 s / 6.32 -> 6.11; longer chunks are unmeasured, so SDPA.
 PREFILL_AS_DECODE_MAX = 2048
 
-# fp32 prefill chunks whose sequences average at least this many tokens of context run SDPA
-# (gather + its GEMMs) instead: one layer, SmolLM2 heads, 2-core AVX2 EPYC, rows -> SDPA:
-# 1 x 1024 tokens 38.2 -> 23.5 ms, 2 x 1024 72.6 -> 37.8, 8 x 512 86.7 -> 67.7, 2,048 rows
-# over 8,192 801 -> 401, 256 rows over 4,096 66.7 -> 30.5, 1 x 256 2.6 -> 2.1; short
-# sequences keep the rows (32 x 64: 8.1 against 16.6, SDPA's loop per sequence). On an
-# AVX-512 Zen 5 fp32 was even at 2 x 2,000 (6.11 vs 6.32 s a run); bf16 keeps the rows there.
-PREFILL_SDPA_FP32_CONTEXT = 256
+# fp32 and bf16 prefill chunks whose sequences average at least this many tokens of context
+# run SDPA (gather + its GEMMs, in the chunk's dtype: TorchAttention.prefill) instead. fp32,
+# one layer, SmolLM2 heads, 2-core AVX2 EPYC, rows -> SDPA: 1 x 1024 tokens 38.2 -> 23.5 ms,
+# 2 x 1024 72.6 -> 37.8, 8 x 512 86.7 -> 67.7, 2,048 rows over 8,192 801 -> 401, 256 rows
+# over 4,096 66.7 -> 30.5, 1 x 256 2.6 -> 2.1; short sequences keep the rows (32 x 64: 8.1
+# against 16.6, SDPA's loop per sequence). bf16, the embedded model's whole prefill, 2-core
+# Xeon with AMX, rows -> bf16 SDPA: 256 tokens 0.09 -> 0.09 s, 1,024 0.50 -> 0.33, 2,000 1.49
+# -> 0.76, 4,000 6.05 -> 2.48, 8,000 34.7 -> 8.2 (SDPA in fp32 there: 19.4 s).
+PREFILL_SDPA_CONTEXT = 256
 
 MAX_BUCKETS = 4  # 1: 306 ms, 4: 228 ms, 8: 240 ms per batch-64 SmolLM2 step, 50-400 tokens
 
@@ -223,8 +225,11 @@ class TorchAttention(AttentionBackend):
 
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len,
                 scale):
-        return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables,
-                                                 cu_seqlens_q, seq_lens, scale)
+        """SDPA in bf16 for bf16 chunks (its own bf16 kernels: 114 ms against fp32's 257 for a 2,048-row
+        chunk over 8,192 tokens, 2-core Xeon with AMX), else in fp32."""
+        return reference.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+            compute_dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
 
 
 class CpuAttention(TorchAttention):
@@ -263,8 +268,8 @@ class CpuAttention(TorchAttention):
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len,
                 scale):
         if self.cpu_decode is None or max_q_len > PREFILL_AS_DECODE_MAX or (
-                q.dtype == torch.float32
-                and int(seq_lens.sum()) >= PREFILL_SDPA_FP32_CONTEXT * len(seq_lens)):
+                q.dtype in (torch.float32, torch.bfloat16)
+                and int(seq_lens.sum()) >= PREFILL_SDPA_CONTEXT * len(seq_lens)):
             return super().prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                    max_q_len, scale)
         tables, lens = self._rows_of(block_tables, cu_seqlens_q, seq_lens)

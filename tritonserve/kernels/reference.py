@@ -106,17 +106,21 @@ def _sequences(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor):
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                            seq_lens: torch.Tensor, scale: float,
+                            compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q [total_q, heads, d]; sequence s's queries are its last (cu[s+1]-cu[s]) positions of
-    seq_lens[s], causal; earlier positions (a cached prefix, earlier chunks) come from the cache."""
+    seq_lens[s], causal; earlier positions (a cached prefix, earlier chunks) come from the cache.
+    compute_dtype: the dtype SDPA runs in (fp32, the reference's; bf16 where a backend takes
+    SDPA's own bf16 kernels, engine/attention.py)."""
     group, block_size = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
     out = torch.empty_like(q)
     for s, q_start, q_end, seq_len in _sequences(cu_seqlens_q, seq_lens):
         q_len = q_end - q_start
         blocks = block_tables[s, :-(-seq_len // block_size)].long()
-        keys = dequantize_kv(k_cache[blocks].flatten(0, 1)[:seq_len]).float().transpose(0, 1)
-        values = dequantize_kv(v_cache[blocks].flatten(0, 1)[:seq_len]).float().transpose(0, 1)
-        qs = q[q_start:q_end].float().transpose(0, 1)  # [heads, q_len, d]
+        keys = dequantize_kv(k_cache[blocks].flatten(0, 1)[:seq_len]).to(compute_dtype)
+        values = dequantize_kv(v_cache[blocks].flatten(0, 1)[:seq_len]).to(compute_dtype)
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+        qs = q[q_start:q_end].to(compute_dtype).transpose(0, 1)  # [heads, q_len, d]
         if q_len == seq_len:  # no cached prefix: plain causal attention
             mask, causal = None, True
         else:  # query i sits at position seq_len - q_len + i

@@ -88,7 +88,7 @@ struct Team {
   std::vector<tritonserve_panels_quant::Wide> wide;
   // LoRA, for the current matmul: the adapter rows' input in fp32, in Stack::lora_order's
   // order
-  std::vector<float> xf;
+  std::vector<float> xf, xsum;  // and x A^T's partial sums added up (lora_step.h)
   std::vector<int64_t> taken;  // the panels this thread computed of the current matmul
 
   Team(Stack<T>& stack, bool timing)
@@ -205,7 +205,7 @@ struct Team {
         if (lora) taken.push_back(p);
       }
     if (lora)  // (x A^T) B^T added to the columns of this thread's panels
-      st.lora.expand(i, taken, st.mm[i].quant ? tritonserve_panels_quant::kCols : cols,
+      st.lora.expand(i, st.lora.summed(i, team, xsum), taken, st.mm[i].quant ? tritonserve_panels_quant::kCols : cols,
                      st.mm[i].N, y, ldy);
   }
 

@@ -80,6 +80,19 @@ inline v16 load16(const W* p) {
   return v;
 }
 
+// Bytes ahead of a weight stream's loads that the loops below ask for (software prefetch;
+// the samples of both loops sat on the loads of each new line). One row, rank 16, SmolLM2's
+// blocks, 2-core Xeon, three rounds: a step's cost of the adapter 1.19-1.40 ms without,
+// 1.01-1.16 at 2 KB ahead, 1.05-1.19 at 4 KB (docs/perf-log/2026-12-07-lora-one-row.md).
+constexpr int64_t kAhead = 2048;
+
+template <typename W>
+inline void ahead(const W* p) {
+  const char* c = reinterpret_cast<const char*>(p) + kAhead;
+  __builtin_prefetch(c, 0, 3);
+  __builtin_prefetch(c + 64, 0, 3);
+}
+
 // Both products below are register blocks: RB rows x NV vectors of accumulators, each
 // weight vector loaded once for the RB rows, each row's scalar broadcast once for the NV
 // vectors (no horizontal sums). Dot products a rank (the first form) ran at 11 GMAC/s here
@@ -88,9 +101,10 @@ inline v16 load16(const W* p) {
 // xa[r, k0 + 16 v + i] = sum_j x[r, j] AT[j, k0 + 16 v + i] for RB rows; with few
 // accumulators, B banks of them take alternate j (independent FMA chains: one row's 576-long
 // chain waited on each FMA's latency)
+// (j over [j0, j1) of the K inputs: a thread's share of a chunk when there are few chunks)
 template <typename W, int RB, int NV>
-inline void shrink_block(const W* at, int64_t rank, int64_t k0, const float* x, int64_t K,
-                         float* xa, int64_t stride) {
+inline void shrink_block(const W* at, int64_t k0, const float* x, int64_t K, int64_t j0,
+                         int64_t j1, float* xa, int64_t stride) {
   constexpr int B = RB * NV >= 4 ? 1 : 4 / (RB * NV);
   v16 acc[B][RB][NV];
 #pragma GCC unroll 4
@@ -99,8 +113,12 @@ inline void shrink_block(const W* at, int64_t rank, int64_t k0, const float* x, 
     for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[q][r][v] = v16{};
-  int64_t j = 0;
-  for (; j + B <= K; j += B)
+  int64_t j = j0;
+  for (; j + B <= j1; j += B) {
+    constexpr int64_t bytes = kLanes * sizeof(W);  // a j's of one 16-rank stream
+    if ((j - j0) * bytes % 128 < B * bytes)  // two lines each 128 bytes
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) ahead(at + ((k0 / kLanes + v) * K + j) * kLanes);
 #pragma GCC unroll 4
     for (int q = 0; q < B; ++q) {
       v16 a[NV];
@@ -113,7 +131,8 @@ inline void shrink_block(const W* at, int64_t rank, int64_t k0, const float* x, 
         for (int v = 0; v < NV; ++v) acc[q][r][v] += xj * a[v];
       }
     }
-  for (; j < K; ++j)
+  }
+  for (; j < j1; ++j)
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
@@ -133,10 +152,10 @@ inline void shrink_block(const W* at, int64_t rank, int64_t k0, const float* x, 
 }
 
 // ranks [k0, k1) (multiples of 16) of xa's rows, for `rows` fp32 rows of x (K wide,
-// contiguous), xa's rows `stride` apart
+// contiguous), over its inputs [j0, j1), xa's rows `stride` apart
 template <typename W>
-inline void shrink_all(const W* at, int64_t rank, int64_t k0, int64_t k1, const float* x,
-                       int64_t K, int64_t rows, float* xa, int64_t stride) {
+inline void shrink_all(const W* at, int64_t k0, int64_t k1, const float* x, int64_t K,
+                       int64_t j0, int64_t j1, int64_t rows, float* xa, int64_t stride) {
   for (int64_t r = 0; r < rows;) {
     const int64_t rb = rows - r >= 4 ? 4 : rows - r >= 2 ? 2 : 1;
     for (int64_t k = k0; k < k1;) {
@@ -144,10 +163,10 @@ inline void shrink_all(const W* at, int64_t rank, int64_t k0, int64_t k1, const 
       const float* xr = x + r * K;
       float* out = xa + r * stride;
 #define TS_LORA_SHRINK(RB)                                                            \
-  if (nv == 4) shrink_block<W, RB, 4>(at, rank, k, xr, K, out, stride);               \
-  else if (nv == 3) shrink_block<W, RB, 3>(at, rank, k, xr, K, out, stride);          \
-  else if (nv == 2) shrink_block<W, RB, 2>(at, rank, k, xr, K, out, stride);          \
-  else shrink_block<W, RB, 1>(at, rank, k, xr, K, out, stride);
+  if (nv == 4) shrink_block<W, RB, 4>(at, k, xr, K, j0, j1, out, stride);               \
+  else if (nv == 3) shrink_block<W, RB, 3>(at, k, xr, K, j0, j1, out, stride);          \
+  else if (nv == 2) shrink_block<W, RB, 2>(at, k, xr, K, j0, j1, out, stride);          \
+  else shrink_block<W, RB, 1>(at, k, xr, K, j0, j1, out, stride);
       if (rb == 4) {
         TS_LORA_SHRINK(4)
       } else if (rb == 2) {
@@ -162,13 +181,13 @@ inline void shrink_all(const W* at, int64_t rank, int64_t k0, int64_t k1, const 
   }
 }
 
-// xa = x A^T for ranks [k0, k1) of projection p (a thread's share of its ranks)
+// xa = x A^T for ranks [k0, k1) of projection p over its inputs [j0, j1) (a thread's share)
 inline void shrink(const Proj& p, int64_t k0, int64_t k1, const float* x, int64_t K,
-                   int64_t rows, float* xa, int64_t stride) {
+                   int64_t j0, int64_t j1, int64_t rows, float* xa, int64_t stride) {
   if (p.bf16)
-    shrink_all(static_cast<const c10::BFloat16*>(p.at), p.rank, k0, k1, x, K, rows, xa, stride);
+    shrink_all(static_cast<const c10::BFloat16*>(p.at), k0, k1, x, K, j0, j1, rows, xa, stride);
   else
-    shrink_all(static_cast<const float*>(p.at), p.rank, k0, k1, x, K, rows, xa, stride);
+    shrink_all(static_cast<const float*>(p.at), k0, k1, x, K, j0, j1, rows, xa, stride);
 }
 
 // y_r[c + 16 v + i] += sum_k xa_r[rs + k] b[k * kTile + 16 v + i] for RB rows (y_r: row
@@ -183,6 +202,7 @@ inline void expand_block(const W* b, int64_t ranks, const float* xa, int64_t str
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = v16{};
   for (int64_t k = 0; k < ranks; ++k, b += kTile) {
+    ahead(b);
     v16 bk[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) bk[v] = load16(b + kLanes * v);

@@ -6,6 +6,9 @@
 //   ranks) chunks are dealt out in turn and the caller meets after: each thread computing
 //   every rank read each A twice (3.7 ms a step of 16 rows over 4 rank-16 adapters, on both
 //   threads, against ~2 for the halves and a barrier; docs/perf-log/2026-12-07-lora-layers.md).
+//   With fewer chunks than two a thread (one row: o's and down's A are one chunk, qkv's three)
+//   each chunk's inputs are split among the team too, a partial sum each, which the expand
+//   adds up: one thread read a whole A while the other waited at the meeting.
 // - expand: (x A^T) B^T added to the output columns of the panels a thread computed, a run of
 //   consecutive panels at a time (a panel at a time, 32 columns, took 1.5x as long).
 #pragma once
@@ -35,7 +38,10 @@ struct Step {
   std::vector<int64_t> order;     // the adapter rows, slot by slot
   std::vector<int64_t> begin;     // [S + 1]: slot s's rows are order[begin[s], begin[s + 1])
   std::vector<char> any;          // [4L]: some row's adapter adapts matmul i
-  std::vector<float> xa;          // the current matmul's x A^T, in order's order
+  // the current matmul's x A^T, in order's order: [splits][rows][rank], a partial sum over
+  // a share of the inputs each (splits(): 1, or the team)
+  std::vector<float> xa;
+  int64_t most = 1;  // xa's room: the op's threads
 
   bool adapts(int64_t i) const { return slot != nullptr && any[i]; }
 
@@ -68,7 +74,14 @@ struct Step {
       for (int64_t i = 0; i < per && begin[s + 1] > begin[s]; ++i)
         any[i] |= proj[s * per + i].rank > 0;
     }
-    xa.assign(order.size() * rank, 0.0f);
+    most = std::max(1, at::get_num_threads());
+    xa.assign(order.size() * rank * most, 0.0f);
+  }
+
+  // the K ranges of slot s's chunks of matmul i for a team: its own rank's alone decides,
+  // so a row sums in the same order whatever else the batch holds
+  int64_t splits(size_t s, int64_t i, int64_t team) const {
+    return proj[s * per + i].rank / kLanes >= 2 * team ? 1 : std::min(team, most);
   }
 
   // slot s's projections from its blob and index
@@ -125,22 +138,38 @@ struct Step {
 #pragma omp simd
       for (int64_t k = 0; k < K; ++k) f[k] = tritonserve_vec::load_f(x + k);
     }
+    const int64_t part = rows * rank;
     int64_t unit = 0;
     for (size_t s = 0; s + 1 < begin.size(); ++s) {
-      const int64_t b0 = begin[s], b1 = begin[s + 1];
+      const int64_t b0 = begin[s], b1 = begin[s + 1], split = splits(s, i, team);
       const Proj& p = proj[s * per + i];
-      for (int64_t k0 = 0; b1 > b0 && k0 < p.rank; k0 += kLanes, ++unit)
-        if (unit % team == t)
-          tritonserve_lora::shrink(p, k0, k0 + kLanes, xf.data() + b0 * K, K, b1 - b0,
-                                   xa.data() + b0 * rank, rank);
+      for (int64_t k0 = 0; b1 > b0 && k0 < p.rank; k0 += kLanes)
+        for (int64_t h = 0; h < split; ++h, ++unit)
+          if (unit % team == t)
+            tritonserve_lora::shrink(p, k0, k0 + kLanes, xf.data() + b0 * K, K, h * K / split,
+                                     (h + 1) * K / split, b1 - b0,
+                                     xa.data() + h * part + b0 * rank, rank);
     }
   }
 
+  // matmul i's x A^T, its partial sums added up (a thread's own copy in `sum`), after the
+  // team met
+  const float* summed(int64_t i, int64_t team, std::vector<float>& sum) const {
+    const int64_t part = static_cast<int64_t>(order.size()) * rank;
+    sum.assign(xa.begin(), xa.begin() + part);
+    for (size_t s = 0; s + 1 < begin.size(); ++s)
+      for (int64_t h = 1; h < splits(s, i, team); ++h) {
+        const float* x = xa.data() + h * part;
+        for (int64_t j = begin[s] * rank; j < begin[s + 1] * rank; ++j) sum[j] += x[j];
+      }
+    return sum.data();
+  }
+
   // the adapter rows' (x A^T) B^T added to the columns of the panels `taken` (sorted here) of
-  // matmul i, panels `width` columns wide, N outputs
+  // matmul i, panels `width` columns wide, N outputs (x A^T: summed()'s)
   template <typename T>
-  void expand(int64_t i, std::vector<int64_t>& taken, int64_t width, int64_t N, T* y,
-              int64_t ldy) const {
+  void expand(int64_t i, const float* xa, std::vector<int64_t>& taken, int64_t width,
+              int64_t N, T* y, int64_t ldy) const {
     std::sort(taken.begin(), taken.end());
     for (size_t a = 0; a < taken.size();) {
       size_t b = a + 1;
@@ -149,7 +178,7 @@ struct Step {
       for (size_t s = 0; s + 1 < begin.size(); ++s) {
         const int64_t b0 = begin[s], b1 = begin[s + 1];
         if (b1 > b0)
-          tritonserve_lora::expand(proj[s * per + i], xa.data() + b0 * rank, rank,
+          tritonserve_lora::expand(proj[s * per + i], xa + b0 * rank, rank,
                                    order.data() + b0, b1 - b0, c0, c1, y, ldy);
       }
       a = b;

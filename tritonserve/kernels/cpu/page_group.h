@@ -7,8 +7,10 @@
 // Why: at 8k tokens the portable kernel scored each query head over the page on its own and
 // ran at ~37 GFLOP/s warm on 2 AVX2 cores (SmolLM2, 9 / 3 heads of 64: 0.42 ms a layer,
 // bench cpu-decode); the figures after this file are in docs/benchmarks.md (long context).
-// Eight-lane GCC vectors: one ymm on AVX2 and AVX-512 alike, so each block of query heads and
-// tokens keeps its sums in the 16 registers AVX2 has.
+// GCC vectors of kL fp32 lanes: eight (one ymm, AVX2's 16 registers hold a block's sums), or
+// sixteen where the build has AVX-512 (one zmm: half the instructions a row, and its 32
+// registers hold twice the block). int8 cache, 8k tokens, one layer, SmolLM2's heads, 2-core
+// Xeon (`bench cpu-decode ... --kv-dtype int8`): 8 lanes 0.43 / 0.29 ms cold / warm.
 #pragma once
 
 #include <algorithm>
@@ -17,19 +19,28 @@
 #include <type_traits>
 
 #include "isa.h"
+#include "vec_math.h"
 
 namespace tritonserve_page_group {
 
+#ifdef TS_AVX512
+constexpr int kL = 16;
+constexpr int kRegs = 32;
+#else
+constexpr int kL = 8;
+constexpr int kRegs = 16;
+#endif
 typedef float v8 __attribute__((vector_size(32)));
-// unaligned, aliasing loads and stores of 8 floats / 8 codes as one instruction each (a
+typedef float vL __attribute__((vector_size(4 * kL)));
+// unaligned, aliasing loads and stores of kL floats / codes as one instruction each (a
 // memcpy into a v8 became a copy through the stack in 16-byte halves, whose 32-byte reload
 // missed store forwarding: the grouped scores ran 2x slower than the per-head loop)
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int8_t v8c __attribute__((vector_size(8), aligned(1), may_alias));
-typedef int32_t v8w __attribute__((vector_size(32)));
+typedef float vLu __attribute__((vector_size(4 * kL), aligned(4), may_alias));
+typedef int8_t vLc __attribute__((vector_size(kL), aligned(1), may_alias));
+typedef int32_t vLw __attribute__((vector_size(4 * kL)));
 
-inline v8 ld(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-inline void st(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+inline vL ld(const float* p) { return *reinterpret_cast<const vLu*>(p); }
+inline void st(float* p, vL x) { *reinterpret_cast<vLu*>(p) = x; }
 
 #if defined(__clang__) || !defined(__GNUC__) || __GNUC__ >= 12
 #define TS_SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -52,19 +63,31 @@ inline v8 sum_lanes8(const v8* a) {
          TS_SHUFFLE8(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// Eight values of a cache row from element `at` as fp32 (int8: the codes, unscaled)
+// a[j] for j < kL -> out[j] = the sum of a[j]'s lanes
+inline vL sum_lanes(const vL* a) {
+#ifdef TS_AVX512
+  return tritonserve_vec::sum_lanes16(a);
+#else
+  return sum_lanes8(a);
+#endif
+}
+
+// kL values of a cache row from element `at` as fp32 (int8: the codes, unscaled)
 template <typename cache_t>
-inline v8 load8(const cache_t* row, int64_t at) {
+inline vL load(const cache_t* row, int64_t at) {
   if constexpr (std::is_same_v<cache_t, int8_t>) {
-#ifdef TS_AVX2
+#if defined(TS_AVX512)
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + at));
+    return reinterpret_cast<vL>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
+#elif defined(TS_AVX2)
     // vpmovsxbd + vcvtdq2ps: GCC 12 turned __builtin_convertvector of 8 codes into 8 scalar
     // sign extensions and conversions, the int8 scores 5x slower than fp32 (~460 ns a page
     // of 16 tokens x 3 heads against ~120)
     const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + at));
-    return reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)));
+    return reinterpret_cast<vL>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)));
 #else
-    const v8w wide = __builtin_convertvector(*reinterpret_cast<const v8c*>(row + at), v8w);
-    return __builtin_convertvector(wide, v8);
+    const vLw wide = __builtin_convertvector(*reinterpret_cast<const vLc*>(row + at), vLw);
+    return __builtin_convertvector(wide, vL);
 #endif
   } else {
     return ld(row + at);
@@ -83,15 +106,15 @@ inline float row_scale(const cache_t* row) {
   }
 }
 
-// GB query heads x TT tokens from token t0: the 8-lane partial products into part[g * 32 + t]
+// GB query heads x TT tokens from token t0: the kL-lane partial products into part[g * 32 + t]
 template <int HD, typename cache_t, int GB, int TT>
-inline void score_block(const float* q, const cache_t* k, int64_t krow, int64_t t0, v8* part) {
-  v8 acc[GB][TT] = {};
-  for (int c = 0; c < HD / 8; ++c) {
-    v8 qc[GB];
-    for (int g = 0; g < GB; ++g) qc[g] = ld(q + g * HD + 8 * c);
+inline void score_block(const float* q, const cache_t* k, int64_t krow, int64_t t0, vL* part) {
+  vL acc[GB][TT] = {};
+  for (int c = 0; c < HD / kL; ++c) {
+    vL qc[GB];
+    for (int g = 0; g < GB; ++g) qc[g] = ld(q + g * HD + kL * c);
     for (int j = 0; j < TT; ++j) {
-      const v8 kc = load8(k + (t0 + j) * krow, 8 * c);
+      const vL kc = load(k + (t0 + j) * krow, kL * c);
       for (int g = 0; g < GB; ++g) acc[g][j] += qc[g] * kc;
     }
   }
@@ -104,22 +127,23 @@ inline void score_block(const float* q, const cache_t* k, int64_t krow, int64_t 
 template <int HD, typename cache_t, int GB>
 inline void group_scores_gb(const float* q, const cache_t* k, int64_t krow, int64_t n,
                             float* scores, int64_t stride) {
-  // tokens a block: GB * TT sums in registers, the q chunks read from L1 (4 x 3 heads: 102
-  // ns a page of 16 tokens against 115 for 3 x 3, SmolLM2's heads, fp32; 4 x 4 spills)
-  constexpr int TT = GB >= 4 ? 3 : 4;
-  alignas(32) v8 part[GB * 32];
+  // tokens a block: GB * TT sums in registers, the q chunks read from L1 (AVX2, 8 lanes:
+  // 4 x 3 heads 102 ns a page of 16 tokens against 115 for 3 x 3, SmolLM2's heads, fp32;
+  // 4 x 4 spills; AVX-512's 32 registers take twice the tokens)
+  constexpr int TT = (kRegs == 32 ? 2 : 1) * (GB >= 4 ? 3 : 4);
+  alignas(64) vL part[GB * 32];
   int64_t t = 0;
   for (; t + TT <= n; t += TT) score_block<HD, cache_t, GB, TT>(q, k, krow, t, part);
   for (; t < n; ++t) score_block<HD, cache_t, GB, 1>(q, k, krow, t, part);
-  for (int64_t u = n; u < ((n + 7) & ~int64_t(7)); ++u)
-    for (int g = 0; g < GB; ++g) part[g * 32 + u] = v8{};
+  for (int64_t u = n; u < ((n + kL - 1) & ~int64_t(kL - 1)); ++u)
+    for (int g = 0; g < GB; ++g) part[g * 32 + u] = vL{};
   float scale[32];
   for (int64_t u = 0; u < n; ++u) scale[u] = row_scale<HD>(k + u * krow);
   for (int g = 0; g < GB; ++g)
-    for (int64_t t0 = 0; t0 < n; t0 += 8) {
-      alignas(32) float s[8];
-      st(s, sum_lanes8(part + g * 32 + t0));
-      for (int64_t u = t0; u < std::min<int64_t>(n, t0 + 8); ++u)
+    for (int64_t t0 = 0; t0 < n; t0 += kL) {
+      alignas(64) float s[kL];
+      st(s, sum_lanes(part + g * 32 + t0));
+      for (int64_t u = t0; u < std::min<int64_t>(n, t0 + kL); ++u)
         scores[g * stride + u] = s[u - t0] * scale[u];
     }
 }
@@ -129,28 +153,29 @@ inline void group_scores_gb(const float* q, const cache_t* k, int64_t krow, int6
 template <int HD, typename cache_t, int GB>
 inline void group_values_gb(const float* p, const cache_t* v, int64_t vrow, int64_t n,
                             int64_t stride, float* acc) {
-  constexpr int DC = GB >= 3 ? 2 : 4;  // 8-lane chunks of a row at once: GB * DC sums
-  static_assert(HD % (8 * DC) == 0, "whole chunks");
+  // kL-lane chunks of a row at once: GB * DC sums (+ DC values) in the registers
+  constexpr int DC = (HD / kL) % 4 == 0 && GB * 4 + 4 <= kRegs - 4 ? 4 : 2;
+  static_assert(HD % (kL * DC) == 0, "whole chunks");
   float w[GB][32];
   for (int64_t t = 0; t < n; ++t) {
     const float s = row_scale<HD>(v + t * vrow);
     for (int g = 0; g < GB; ++g) w[g][t] = p[g * stride + t] * s;
   }
-  for (int d0 = 0; d0 < HD; d0 += 8 * DC) {
-    v8 a[GB][DC];
+  for (int d0 = 0; d0 < HD; d0 += kL * DC) {
+    vL a[GB][DC];
     for (int g = 0; g < GB; ++g)
-      for (int c = 0; c < DC; ++c) a[g][c] = ld(acc + g * HD + d0 + 8 * c);
+      for (int c = 0; c < DC; ++c) a[g][c] = ld(acc + g * HD + d0 + kL * c);
     for (int64_t t = 0; t < n; ++t) {
       const cache_t* vt = v + t * vrow;
-      v8 vc[DC];
-      for (int c = 0; c < DC; ++c) vc[c] = load8(vt, d0 + 8 * c);
+      vL vc[DC];
+      for (int c = 0; c < DC; ++c) vc[c] = load(vt, d0 + kL * c);
       for (int g = 0; g < GB; ++g) {
         const float wg = w[g][t];
         for (int c = 0; c < DC; ++c) a[g][c] += wg * vc[c];
       }
     }
     for (int g = 0; g < GB; ++g)
-      for (int c = 0; c < DC; ++c) st(acc + g * HD + d0 + 8 * c, a[g][c]);
+      for (int c = 0; c < DC; ++c) st(acc + g * HD + d0 + kL * c, a[g][c]);
   }
 }
 

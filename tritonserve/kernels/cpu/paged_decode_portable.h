@@ -185,6 +185,23 @@ void decode_seq(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cach
       }
     for (int64_t h = 0; h < heads; ++h) {
       float* sh = scores.data() + h * block_size;
+#ifdef TS_AVX512
+      if (n == 16 && lo == 0) {  // a whole page of 16 in one zmm: no scalar max, exp or sum
+        // (int8 cache, 8k tokens, a layer: these three ran ~40 % of decode_seq's samples)
+        const __m512 sv = _mm512_loadu_ps(sh);
+        const float m_new = std::max(m[h], _mm512_reduce_max_ps(sv));
+        const __m512 e = tritonserve_vec::exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new)));
+        _mm512_storeu_ps(sh, e);
+        const float alpha = std::exp(m[h] - m_new);
+        l[h] = l[h] * alpha + _mm512_reduce_add_ps(e);
+        if (m_new != m[h]) {
+          float* ah = acc.data() + h * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) ah[d] *= alpha;
+        }
+        m[h] = m_new;
+        continue;
+      }
+#endif
       float page_max = *std::max_element(sh + lo, sh + n);
       const float m_new = std::max(m[h], page_max);
       const float alpha = std::exp(m[h] - m_new);  // exp(-inf) = 0 on the first page
