@@ -83,7 +83,8 @@ inline v16 load16(const W* p) {
 // Bytes ahead of a weight stream's loads that the loops below ask for (software prefetch;
 // the samples of both loops sat on the loads of each new line). One row, rank 16, SmolLM2's
 // blocks, 2-core Xeon, three rounds: a step's cost of the adapter 1.19-1.40 ms without,
-// 1.01-1.16 at 2 KB ahead, 1.05-1.19 at 4 KB (docs/perf-log/2026-12-07-lora-one-row.md).
+// 1.01-1.16 at 2 KB ahead, 1.05-1.19 at 4 KB
+// (docs/perf-log/2026-12-07-xeon-amx-prefill-lora.md).
 constexpr int64_t kAhead = 2048;
 
 template <typename W>

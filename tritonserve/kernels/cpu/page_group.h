@@ -10,7 +10,9 @@
 // GCC vectors of kL fp32 lanes: eight (one ymm, AVX2's 16 registers hold a block's sums), or
 // sixteen where the build has AVX-512 (one zmm: half the instructions a row, and its 32
 // registers hold twice the block). int8 cache, 8k tokens, one layer, SmolLM2's heads, 2-core
-// Xeon (`bench cpu-decode ... --kv-dtype int8`): 8 lanes 0.43 / 0.29 ms cold / warm.
+// Xeon (`bench cpu-decode ... --kv-dtype int8`), cold / warm: 8 lanes 0.43-0.45 / 0.29-0.30
+// ms, 16 the same, 16 with decode_seq's page softmax in one zmm 0.415 / 0.258; what is left is
+// the FMAs (docs/perf-log/2026-12-07-xeon-amx-prefill-lora.md).
 #pragma once
 
 #include <algorithm>
