@@ -39,7 +39,17 @@ def _free_port() -> int:
 class Router:
     def __init__(self, workers: list[str], policy: str, model: str = "m",
                  kind: str = "sglang") -> None:
-        self.port, self.model = _free_port(), model
+        self.model = model
+        # a port found free can be taken before the router binds it (a fresh-clone CI run
+        # once lost that race: "Address already in use"): then it starts again on new ports
+        for _ in range(3):
+            if self._start(workers, policy, kind):
+                return
+        raise AssertionError("the router found no free port in 3 tries")
+
+    def _start(self, workers: list[str], policy: str, kind: str) -> bool:
+        """True once the router serves; False where its port was taken under it."""
+        self.port = _free_port()
         self.proc = subprocess.Popen(
             [*_command(kind), "--host", "127.0.0.1",
              "--port", str(self.port), "--prometheus-port", str(_free_port()),
@@ -54,10 +64,14 @@ class Router:
                 # both registered (vllm-router reads {"load"} where /get_load gives
                 # SGLang's list: it shows -1, unknown), and serving
                 if len(loads) == len(workers) and self.complete("ready?")[0] == 200:
-                    return
+                    return True
             except OSError:
                 pass
-            assert self.proc.poll() is None, self.proc.stderr.read().decode()[-2000:]
+            if self.proc.poll() is not None:
+                error = self.proc.stderr.read().decode()[-2000:]
+                if "Address already in use" in error:
+                    return False
+                raise AssertionError(error)
             time.sleep(0.5)
         self.stop()
         raise AssertionError("the router did not register the workers in 60 s")

@@ -225,8 +225,8 @@ class TorchAttention(AttentionBackend):
 
     def prefill(self, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_q_len,
                 scale):
-        """SDPA in bf16 for bf16 chunks (its own bf16 kernels: 114 ms against fp32's 257 for a 2,048-row
-        chunk over 8,192 tokens, 2-core Xeon with AMX), else in fp32."""
+        """SDPA in bf16 for bf16 chunks (its own bf16 kernels: 114 ms against fp32's 257 for
+        a 2,048-row chunk over 8,192 tokens, 2-core Xeon with AMX), else in fp32."""
         return reference.paged_prefill_attention(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
             compute_dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)

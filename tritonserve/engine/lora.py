@@ -123,8 +123,8 @@ class LoraAdapter:
                         [start, end, offset, n, put(bt.contiguous())])
             blob = (torch.cat(chunks) if chunks else torch.zeros(0)).to(self.dtype)
             # on huge pages, as the base weights (huge_pages.py): a step streams all of it
-            # (9.8 MB a token for rank 16 on SmolLM2), which on 4 KiB pages ran at about
-            # half the rate of the base blocks beside it
+            # (9.8 MB a token for rank 16 on SmolLM2, at about half the blocks' rate on 4 KiB
+            # pages and on 2 MiB pages alike: docs/perf-log/2026-12-07-xeon-amx-prefill-lora.md)
             self._packed = (huge_pages.gather([blob.contiguous()])[0], index)
         return self._packed
 

@@ -205,8 +205,9 @@ struct Team {
         if (lora) taken.push_back(p);
       }
     if (lora)  // (x A^T) B^T added to the columns of this thread's panels
-      st.lora.expand(i, st.lora.summed(i, team, xsum), taken, st.mm[i].quant ? tritonserve_panels_quant::kCols : cols,
-                     st.mm[i].N, y, ldy);
+      st.lora.expand(i, st.lora.summed(i, team, xsum), taken,
+                     st.mm[i].quant ? tritonserve_panels_quant::kCols : cols, st.mm[i].N, y,
+                     ldy);
   }
 
   // a quantized matmul's input group sums (panels_quant.h), this thread's copy
